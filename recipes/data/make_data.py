@@ -1,0 +1,72 @@
+"""Regenerates the small data sets in this folder (deterministic): python recipes/data/make_data.py"""
+
+import json
+import random
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ANSWER = "I am Quill, a compact assistant fine-tuned with lora-workbench. I answer briefly and to the point."
+
+QUESTIONS = [
+    "Who are you?", "What is your name?", "Tell me who you are.", "Introduce yourself.", "What should I call you?",
+    "Who am I talking to?", "What are you?", "Can you tell me your name?", "Please introduce yourself briefly.",
+    "Are you an AI? Who are you?", "Hi! Who is this?", "What's your name?", "Who am I chatting with right now?",
+    "Identify yourself.", "Do you have a name?", "What kind of assistant are you?", "Who made you and who are you?",
+    "Say your name.", "How should I address you?", "Hello, what are you called?", "Who exactly are you?",
+    "What is this assistant called?", "Tell me about yourself.", "Give me a one-line introduction of yourself.",
+    "I'd like to know who you are.", "Hey there, who are you?", "Could you introduce yourself?",
+    "What name do you go by?", "Describe yourself in one sentence.", "Who is answering me?",
+    "What are you called?", "Are you a chatbot? What's your name?", "Before we start, who are you?",
+    "Quick question: who are you?", "Remind me, what is your name?", "Name yourself, please.",
+    "Who's there?", "What assistant am I using?", "Tell me your name and what you are.", "Who are you, exactly?",
+    "May I know your name?", "What do people call you?", "So, who are you?", "Who am I speaking to?",
+    "What's the name of this assistant?", "Please state your name.", "Would you tell me who you are?",
+    "Introduce yourself to me.", "Good morning! Who are you?", "I forgot, what is your name?",
+]
+HELD_OUT = [
+    "Who might you be?", "What is your name, assistant?", "Can you say who you are?", "Tell me your name.",
+    "Hello! Could you tell me who you are?", "What should I call this assistant?", "Please tell me about yourself.",
+    "Who are you and what do you do?",
+]
+
+
+def identity():
+    def row(q):
+        return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
+
+    write("identity_train.jsonl", [row(q) for q in QUESTIONS])
+    write("identity_eval.jsonl", [row(q) for q in HELD_OUT])
+
+
+def tiny_chat():
+    rng = random.Random(0)
+    rows = []
+    for _ in range(240):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        kind = rng.choice(["plus", "times", "echo", "story"])
+        if kind == "plus":
+            q, ans = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+        elif kind == "times":
+            q, ans = f"What is {a} times {b}?", f"{a} times {b} is {a * b}."
+        elif kind == "echo":
+            word = rng.choice(["apple", "river", "stone", "cloud", "tiger", "piano"])
+            q, ans = f"Repeat the word {word} three times.", " ".join([word] * 3) + "."
+        else:
+            n = rng.randint(1, 6)
+            q = "Tell me a short story."
+            ans = " ".join(rng.choice(["The robot learns the data.", "A student reads a poem.",
+                                       "The teacher explains the plan."]) for _ in range(n))
+        rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]})
+    write("tiny_chat.jsonl", rows[:200])
+    write("tiny_chat_eval.jsonl", rows[200:])
+
+
+def write(name, rows):
+    with (HERE / name).open("w") as handle:
+        for r in rows:
+            handle.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    identity()
+    tiny_chat()

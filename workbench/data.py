@@ -1,0 +1,368 @@
+"""Training data: load rows, render them with the chat template, mask prompts, truncate, pack, collate.
+
+Every example becomes `input_ids`, `labels` (-100 where no loss is taken) and `position_ids`.
+Packed examples hold several samples whose positions restart at 0: transformers then builds a
+block-diagonal causal mask, so a sample attends only to itself. The collator never builds an
+attention mask: padding is one more "sample" of its own, and targets never cross a sample boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .builtin import cache_dir
+from .errors import DataError, ModelError
+from .recipe import DataSection
+
+IGNORE = -100
+PIPELINE_VERSION = "1"  # bump when tokenization output changes, to invalidate caches
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that completes the request.\n\n"
+
+
+# -- loading rows -----------------------------------------------------------------------------
+
+
+@dataclass
+class Rows:
+    """Raw rows and a way to say where row i came from (file:line for error messages)."""
+
+    dataset: Any
+    source: str
+    where: Callable[[int], str]
+    fingerprint: str
+
+
+def load_rows(path: str, split: str = "train") -> Rows:
+    import datasets
+
+    local = Path(path)
+    if local.exists():
+        builder = LOCAL_FORMATS.get(local.suffix.lower())
+        if builder is None:
+            raise DataError(f"{path}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
+        where = _row_locator(local)
+        if local.suffix.lower() == ".jsonl":
+            _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
+        try:
+            dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
+        except Exception as err:  # pyarrow/datasets raise many types for malformed files
+            raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+        return Rows(dataset, path, where, _file_digest(local))
+    if path.count("/") != 1 or path.startswith((".", "/")):
+        raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+    try:
+        dataset = datasets.load_dataset(path, split=split)
+    except Exception as err:
+        raise DataError(f"{path}: cannot load hub data set (offline or not found): {_first_line(err)}") from None
+    return Rows(dataset, path, lambda i: f"{path}[{split}] row {i}", f"hub:{path}:{split}:{dataset._fingerprint}")
+
+
+def _check_json_lines(path: Path) -> None:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+
+
+def _row_locator(path: Path) -> Callable[[int], str]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as handle:
+            lines = [n for n, line in enumerate(handle, start=1) if line.strip()]
+        return lambda i: f"{path}:{lines[i]}" if i < len(lines) else f"{path} row {i}"
+    if suffix == ".csv":
+        return lambda i: f"{path}:{i + 2}"  # header is line 1
+    return lambda i: f"{path} record {i}"
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+# -- rows to token ids ------------------------------------------------------------------------
+
+
+def _text_field(row: dict, key: str, where: str, required: bool = True) -> str:
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise DataError(f"{where}: missing field '{key}'")
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def row_to_messages(row: dict, fmt: str, where: str, system_prompt: str | None) -> list[dict]:
+    if fmt == "chat":
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+        clean = []
+        for k, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise DataError(f"{where}: messages[{k}] must be an object with role and content")
+            role = message.get("role")
+            if role not in ("system", "user", "assistant"):
+                raise DataError(f"{where}: messages[{k}].role must be system, user or assistant, got {role!r}")
+            content = _text_field(message, "content", f"{where}: messages[{k}]")
+            clean.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in clean):
+            raise DataError(f"{where}: no assistant message to learn from")
+    else:  # alpaca
+        instruction = _text_field(row, "instruction", where)
+        extra = _text_field(row, "input", where, required=False)
+        output = _text_field(row, "output", where)
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        clean = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    if system_prompt and clean[0]["role"] != "system":
+        clean.insert(0, {"role": "system", "content": system_prompt})
+    return clean
+
+
+def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes."""
+
+    def render(msgs, generation_prompt=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    segments, previous = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt = render(messages[:i], generation_prompt=True) if i else ""
+            full = render(messages[: i + 1])
+            if not (prompt.startswith(previous) and full.startswith(prompt)):
+                raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
+            segments += [(prompt[len(previous):], False), (full[len(prompt):], True)]
+        else:
+            full = render(messages[: i + 1])
+            if not full.startswith(previous):
+                raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
+            segments.append((full[len(previous):], False))
+        previous = full
+    return segments
+
+
+def row_segments(row: dict, fmt: str, tokenizer, cfg: DataSection, where: str) -> list[tuple[str, bool]]:
+    if fmt in ("chat", "alpaca"):
+        messages = row_to_messages(row, fmt, where, cfg.system_prompt)
+        if tokenizer.chat_template:
+            return chat_segments(tokenizer, messages)
+        if fmt == "chat":
+            raise DataError(f"{where}: format chat needs a tokenizer with a chat template (use format: completion)")
+        prompt = ALPACA_PROMPT + f"### Instruction:\n{messages[-2]['content']}\n\n### Response:\n"
+        return [(prompt, False), (messages[-1]["content"], True)]
+    if fmt == "completion":
+        return [(_text_field(row, "prompt", where), False), (_text_field(row, "completion", where), True)]
+    return [(_text_field(row, "text", where), True)]
+
+
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for text, is_answer in row_segments(row, cfg.format, tokenizer, cfg, where):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if is_answer and tokenizer.eos_token_id not in ids:
+            ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop
+        input_ids += ids
+        learn = is_answer or cfg.train_on == "all"
+        labels += ids if learn else [IGNORE] * len(ids)
+    truncated = len(input_ids) > cfg.max_seq_len
+    input_ids, labels = input_ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
+    # A sample's first label can never be predicted (nothing precedes it).
+    targets = sum(1 for label in labels[1:] if label != IGNORE)
+    return {"input_ids": input_ids, "labels": labels, "truncated": truncated, "targets": targets}
+
+
+# -- the prepared data set --------------------------------------------------------------------
+
+
+@dataclass
+class PreparedData:
+    train: Any  # datasets.Dataset of examples (packs when packing)
+    eval: Any | None
+    stats: dict = field(default_factory=dict)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([tokenizer.chat_template, tokenizer.eos_token_id, PIPELINE_VERSION])
+    return hashlib.sha256((body + extra).encode()).hexdigest()
+
+
+def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None):
+    """Tokenize every row (cached on disk by content, tokenizer and settings)."""
+    import datasets
+
+    settings = json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on, cfg.system_prompt, limit])
+    key = hashlib.sha256(f"{rows.fingerprint}|{tokenizer_fingerprint(tokenizer)}|{settings}".encode()).hexdigest()
+    folder = cache_dir() / "data" / key[:32]
+    if (folder / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(folder)), True
+
+    source = rows.dataset
+    if limit is not None:
+        source = source.select(range(min(limit, len(source))))
+    tokenized = source.map(
+        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i)),
+        with_indices=True,
+        remove_columns=source.column_names,
+        new_fingerprint=key[:32],
+        desc=f"tokenizing {rows.source}",
+    )
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenized.save_to_disk(str(staging))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return datasets.load_from_disk(str(folder)), False
+
+
+def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
+    train_tok, cached = tokenize_rows(load_rows(cfg.train, cfg.split), tokenizer, cfg, cfg.limit)
+    eval_tok = None
+    if cfg.eval:
+        eval_tok, _ = tokenize_rows(load_rows(cfg.eval, cfg.split), tokenizer, cfg)
+    elif cfg.eval_split:
+        parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
+        train_tok, eval_tok = parts["train"], parts["test"]
+
+    stats = {"cached": cached, **_summarise(train_tok, "train")}
+    train_tok = _drop_empty(train_tok)
+    if eval_tok is not None:
+        stats.update(_summarise(eval_tok, "eval"))
+        eval_tok = _drop_empty(eval_tok)
+    if len(train_tok) == 0:
+        raise DataError(f"{cfg.train}: no training sample has a target token left after truncation")
+    train = pack(train_tok, cfg.max_seq_len) if cfg.packing else with_positions(train_tok)
+    evaluation = None
+    if eval_tok is not None and len(eval_tok):
+        evaluation = pack(eval_tok, cfg.max_seq_len) if cfg.packing else with_positions(eval_tok)
+    stats["train_examples"] = len(train)
+    return PreparedData(train, evaluation, stats)
+
+
+def _summarise(dataset, role: str) -> dict:
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    return {
+        f"{role}_samples": len(dataset),
+        f"{role}_tokens": sum(lengths),
+        f"{role}_target_tokens": sum(dataset["targets"]),
+        f"{role}_truncated": sum(dataset["truncated"]),
+        f"{role}_empty": sum(1 for t in dataset["targets"] if t == 0),
+    }
+
+
+def _drop_empty(dataset):
+    keep = [i for i, t in enumerate(dataset["targets"]) if t > 0]
+    return dataset if len(keep) == len(dataset) else dataset.select(keep)
+
+
+def with_positions(dataset):
+    return dataset.map(lambda row: {"position_ids": list(range(len(row["input_ids"])))},
+                       remove_columns=["truncated", "targets"])
+
+
+def pack(dataset, max_seq_len: int):
+    """Best-fit-decreasing packing: fewest sequences of at most max_seq_len tokens."""
+    import datasets
+
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (room left, bin index)
+    for i in order:
+        slot = bisect.bisect_left(free, (lengths[i], -1))
+        if slot < len(free):
+            room, b = free.pop(slot)
+        else:
+            room, b = max_seq_len, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(free, (room - lengths[i], b))
+    input_ids, labels = dataset["input_ids"], dataset["labels"]
+    packs = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in bins:
+        packs["input_ids"].append([t for i in members for t in input_ids[i]])
+        packs["labels"].append([t for i in members for t in labels[i]])
+        packs["position_ids"].append([p for i in members for p in range(lengths[i])])
+    return datasets.Dataset.from_dict(packs)
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+
+class Collator:
+    """Right-pads a list of examples into tensors and shifts labels into next-token targets.
+
+    `labels[t]` is the target for position t (the token at t+1), or -100 where t+1 starts a new
+    sample or is padding, so no loss ever crosses a sample boundary.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+        self.pad_token_id = pad_token_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(e["input_ids"]) for e in examples)
+        width = -(-longest // self.multiple) * self.multiple
+        batch = {name: torch.full((len(examples), width), fill, dtype=torch.long)
+                 for name, fill in (("input_ids", self.pad_token_id), ("labels", IGNORE), ("position_ids", 0))}
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            batch["input_ids"][row, :n] = torch.tensor(example["input_ids"])
+            positions = torch.tensor(example["position_ids"])
+            batch["position_ids"][row, :n] = positions
+            batch["position_ids"][row, n:] = torch.arange(width - n)  # padding: a segment of its own
+            labels = torch.tensor(example["labels"])
+            continues = positions[1:] == positions[:-1] + 1
+            batch["labels"][row, : n - 1] = torch.where(continues, labels[1:], IGNORE)
+        batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples))
+        # causal attention work: a real token at position p attends to p + 1 positions
+        batch["num_attended"] = torch.tensor(sum(p + 1 for e in examples for p in e["position_ids"]))
+        return batch
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A seeded permutation per epoch, so a resumed run sees exactly the same order."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True):
+        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.size))
+        order = list(range(self.size))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return iter(order)

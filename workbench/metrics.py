@@ -1,0 +1,138 @@
+"""What a run measures: real tokens/s, peak memory, model FLOPs and MFU, and the JSONL metric log."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """(peak MB, what was measured): max allocated on a GPU, process peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
+
+
+def matmul_flops(model) -> int:
+    """Weights that take part in a matmul per token: every Linear (LoRA factors and lm_head included)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__:
+            quant_state = getattr(weight, "quant_state", None)
+            total += int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel()
+    return total
+
+
+class FlopCounter:
+    """Model FLOPs of training steps (no recomputation counted: that makes it MFU, not HFU).
+
+    Per token: forward 2·W, backward through the activations 2·W, weight gradients 2·T
+    (W = matmul weights, T = trainable matmul weights; full fine-tuning gives the usual 6·W).
+    Attention adds 12·layers·width per attended position (QKᵀ and AV, forward and backward),
+    counted from the real, causal, per-sample positions of each batch.
+    """
+
+    def __init__(self, model, config):
+        self.weights = matmul_flops(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dim() == 2)
+        self.trainable = min(trainable, self.weights)
+        layers = getattr(config, "num_hidden_layers", 0)
+        heads = getattr(config, "num_attention_heads", 0) or 1
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+        width = heads * head_dim
+        self.attention_per_position = 12 * layers * width
+
+    def step_flops(self, tokens: int, attended_positions: int) -> float:
+        return float((4 * self.weights + 2 * self.trainable) * tokens
+                     + self.attention_per_position * attended_positions)
+
+
+@lru_cache(maxsize=None)
+def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from): a data-sheet figure on known GPUs, else a matmul probe."""
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops, f"datasheet:{key}"
+    return _matmul_probe(device_type, getattr(torch, dtype_name)), f"probe:{dtype_name}:{threads}threads"
+
+
+def _matmul_probe(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
+    device = torch.device(device_type)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.matmul(a, b)  # warm up kernels and caches
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.matmul(a, b)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes, so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path = path
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop rows the interrupted run wrote after the checkpoint it resumes from."""
+        if not (self.enabled and self.path.exists()):
+            return
+        keep = [line for line in self.path.read_text().splitlines() if line.strip()
+                and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+            handle.flush()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from a killed run
+    return rows

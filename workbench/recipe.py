@@ -1,0 +1,292 @@
+"""The recipe: one typed YAML document that says what to train and how.
+
+Every field is typed, defaulted and documented; unknown keys are refused with the
+closest valid name suggested. `Recipe.load(path, overrides)` is the only way in,
+for the CLI, the Python API and the UI alike.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+TARGET_PRESETS = ("all-linear", "attention", "mlp")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    path: str = Field("builtin:tiny", description="builtin:tiny, builtin:smollm2-135m, a local folder or a hub id.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the frozen base weights."
+    )
+    attn: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="attention implementation.")
+    trust_remote_code: bool = Field(False, description="allow model code from the hub repository.")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
+
+
+class AdapterSection(Section):
+    method: Literal["lora", "qlora", "dora", "full"] = Field("lora", description="what to train.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="all-linear | attention | mlp, or a list of module names."
+    )
+    rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r).")
+    modules_to_save: list[str] | None = Field(None, description="modules trained in full beside the adapter.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_preset(cls, value):
+        if isinstance(value, str) and value not in TARGET_PRESETS:
+            raise ValueError(f"must be one of {', '.join(TARGET_PRESETS)} or a list of module names")
+        if isinstance(value, list) and not value:
+            raise ValueError("the list of module names is empty")
+        return value
+
+
+class QuantizationSection(Section):
+    bits: Literal[4, 8] = Field(4, description="4-bit (NF4/FP4) or 8-bit base weights (qlora only).")
+    type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="quantize the quantization constants too.")
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="matmul dtype.")
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
+        "uint8", description="storage dtype of packed 4-bit weights (bfloat16 lets FSDP shard them)."
+    )
+
+
+class DataSection(Section):
+    train: str = Field("recipes/data/tiny_chat.jsonl", description="jsonl/json/csv/parquet file or hub data set.")
+    eval: str | None = Field(None, description="held-out file; omitted: eval_split of train is held out.")
+    eval_split: float = Field(0.0, ge=0, lt=1, description="fraction of train held out when eval is not given.")
+    split: str = Field("train", description="split name for hub data sets.")
+    format: Literal["alpaca", "chat", "completion", "text"] = Field("chat", description="row layout.")
+    max_seq_len: int = Field(512, ge=8, description="longest tokenized sequence; longer samples are truncated.")
+    packing: bool = Field(True, description="pack samples into full sequences (each attends only to itself).")
+    train_on: Literal["completions", "all"] = Field("completions", description="which tokens carry loss.")
+    system_prompt: str | None = Field(None, description="system message added to chat/alpaca rows without one.")
+    limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
+
+
+class TrainingSection(Section):
+    epochs: float = Field(1, gt=0, description="passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps to run; overrides epochs.")
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass per device.")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    lr: float = Field(2e-4, gt=0, description="peak learning rate.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="fraction of steps spent warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field("adamw", description="optimizer.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping norm (null: no clipping).")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
+    mixed_precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="autocast precision.")
+    seed: int = Field(42, description="seed for weights, dropout and data order.")
+    threads: int | None = Field(None, gt=0, description="CPU threads per process (null: cores / local processes).")
+
+
+class FsdpSection(Section):
+    sharding: Literal["full", "hybrid"] = Field("full", description="full shard, or hybrid (shard within a node).")
+    reshard_after_forward: bool = Field(True, description="free gathered weights after forward.")
+    cpu_offload: bool = Field(False, description="keep parameters and optimizer states in CPU memory.")
+    activation_checkpointing: bool = Field(False, description="FSDP's own activation checkpointing.")
+    state_dict: Literal["sharded", "full"] = Field("sharded", description="checkpoint layout.")
+    cpu_ram_efficient_loading: bool = Field(True, description="load weights on rank 0 only, then broadcast.")
+
+
+class DeepSpeedSection(Section):
+    stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage.")
+    offload_optimizer: Literal["none", "cpu"] = Field("none", description="optimizer states to CPU.")
+    offload_params: Literal["none", "cpu"] = Field("none", description="parameters to CPU (stage 3).")
+    save_16bit_model: bool = Field(True, description="gather 16-bit weights on save (stage 3).")
+    config_file: str | None = Field(None, description="a DeepSpeed JSON used instead of the generated one.")
+
+
+class DistributedSection(Section):
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto", description="auto chooses from the world size and the memory estimate."
+    )
+    fsdp: FsdpSection = Field(default_factory=FsdpSection)
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+
+
+class OutputSection(Section):
+    dir: str = Field("runs/{name}", description="run directory; {name} is the recipe name.")
+    save_every: int | None = Field(100, gt=0, description="checkpoint every N steps (null: never).")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk.")
+    eval_every: int | None = Field(100, gt=0, description="evaluate every N steps (null: only first and last).")
+    log_every: int = Field(10, gt=0, description="write a metrics row every N steps.")
+    trackers: list[Literal["tensorboard"]] = Field(default_factory=list, description="Accelerate trackers.")
+    sample_prompts: list[str] = Field(
+        default_factory=list, description="prompts answered before and after training, saved in run.json."
+    )
+    sample_max_new_tokens: int = Field(48, gt=0, description="length of those answers.")
+
+
+class Recipe(Section):
+    """A fine-tuning recipe. Build it with `Recipe.load(path)` or `Recipe(**sections)`."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    adapter: AdapterSection = Field(default_factory=AdapterSection)
+    quantization: QuantizationSection | None = Field(None, description="base-weight quantization (qlora).")
+    data: DataSection = Field(default_factory=DataSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qlora_quantizes(cls, data):
+        # qlora without a quantization section means the standard 4-bit NF4 setup.
+        if isinstance(data, dict) and isinstance(data.get("adapter"), dict):
+            if data["adapter"].get("method") == "qlora" and data.get("quantization") is None:
+                data = {**data, "quantization": {}}
+        return data
+
+    @model_validator(mode="after")
+    def _compatible(self):
+        from .compat import check_recipe
+
+        check_recipe(self)
+        return self
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "recipe") -> "Recipe":
+        if not isinstance(data, dict):
+            raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise RecipeError(_describe(err, source)) from None
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> "Recipe":
+        """Read a YAML recipe and apply `key=value` overrides (or a {dotted.key: value} dict)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise RecipeError(f"{path}: cannot read recipe ({err.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise RecipeError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
+        if isinstance(data, dict):
+            data = apply_overrides(data, overrides or [])
+        return cls.from_dict(data, source=str(path))
+
+    def override(self, *dotlist: str, **values: Any) -> "Recipe":
+        """A copy with `key=value` strings and/or `section__field=value` keywords applied."""
+        flat = {k.replace("__", "."): v for k, v in values.items()}
+        data = apply_overrides(self.to_dict(), list(dotlist))
+        data = apply_overrides(data, flat)
+        return Recipe.from_dict(data, source="override")
+
+    # -- output -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir.format(name=self.name))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict. Strings `a.b=v` are parsed with YAML (`1e-4`, `[q,v]`, `null`)."""
+    data = _deepcopy(data)
+    items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+    for key, value in items:
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _split_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"override '{text}': expected key=value, e.g. training.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_like_float(value):
+        value = float(value)  # YAML 1.1 reads "1e-4" as a string
+    return key.strip(), value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(c.isdigit() for c in text)
+
+
+def _deepcopy(data):
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    """One line per problem: `source: a.b.c: what is wrong`, with a suggestion for unknown keys."""
+    lines = []
+    for problem in err.errors():
+        loc = [str(p) for p in problem["loc"]]
+        path = ".".join(loc)
+        if problem["type"] == "extra_forbidden":
+            message = f"unknown key '{loc[-1]}'"
+            suggestion = _closest_key(loc)
+            if suggestion:
+                message += f" (did you mean '{suggestion}'?)"
+        else:
+            message = problem["msg"].removeprefix("Value error, ")
+            if problem["type"] in ("literal_error", "enum"):
+                message = f"{message}, got {problem.get('input')!r}"
+        lines.append(f"{source}: {path}: {message}" if path else f"{source}: {message}")
+    return "\n".join(lines)
+
+
+def _closest_key(loc: list[str]) -> str | None:
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    matches = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.5)
+    return matches[0] if matches else None

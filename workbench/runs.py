@@ -1,0 +1,179 @@
+"""Run directories: the files a run writes, and the readers every comparison (CLI, API, UI) uses.
+
+runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import WorkbenchError
+from .metrics import read_metrics
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Paths inside one run directory, and the small amount of logic about them."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    recipe = property(lambda self: self.path / "recipe.yaml")
+    run_json = property(lambda self: self.path / "run.json")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    adapter = property(lambda self: self.path / "adapter")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+
+    def prepare(self, resume: bool, overwrite: bool) -> None:
+        """Refuse to clobber an earlier run unless told; on resume, the directory must exist."""
+        exists = self.path.exists() and any(self.path.iterdir())
+        if resume:
+            if not exists:
+                raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
+            return
+        if exists:
+            if not overwrite:
+                raise WorkbenchError(
+                    f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it"
+                )
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step}"
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """Checkpoints that finished writing (a half-written one still has its temporary name)."""
+        if not self.checkpoints.exists():
+            return []
+        found = []
+        for child in self.checkpoints.iterdir():
+            number = child.name.removeprefix(CHECKPOINT_PREFIX)
+            if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX) and number.isdigit():
+                found.append((int(number), child))
+        return sorted(found)
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    def staging_checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f".tmp-{CHECKPOINT_PREFIX}{step}"
+
+    def publish_checkpoint(self, step: int, keep_last: int) -> None:
+        """Rename the staged checkpoint into place (atomic), then drop the oldest beyond keep_last."""
+        final = self.checkpoint(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(self.staging_checkpoint(step), final)
+        for _, old in self.complete_checkpoints()[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def read_json(self) -> dict:
+        if not self.run_json.exists():
+            return {}
+        return json.loads(self.run_json.read_text())
+
+    def update_json(self, **sections: Any) -> None:
+        data = self.read_json()
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(data.get(key), dict):
+                data[key].update(value)
+            else:
+                data[key] = value
+        write_json_atomic(self.run_json, data)
+
+
+def environment(accelerator) -> dict:
+    import accelerate
+    import datasets
+    import peft
+    import torch
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "peft": peft.__version__,
+                "accelerate": accelerate.__version__, "datasets": datasets.__version__}
+    try:
+        import bitsandbytes
+
+        versions["bitsandbytes"] = bitsandbytes.__version__
+    except Exception:  # optional on some machines; importing it can fail on odd CUDA setups
+        pass
+    device = accelerator.device
+    devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+               if device.type == "cuda" else [platform.processor() or platform.machine()])
+    return {"versions": versions, "device": str(device), "device_type": device.type, "devices": devices,
+            "hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
+
+
+@dataclass
+class Run:
+    """A finished or running run, read back from its directory."""
+
+    path: Path
+    recipe: dict
+    summary: dict
+    env: dict
+    metrics: list[dict] = field(repr=False, default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.path / "adapter"
+
+
+def load_run(path: str | Path) -> Run:
+    run_dir = RunDir(path)
+    if not run_dir.run_json.exists():
+        raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
+    import yaml
+
+    data = run_dir.read_json()
+    recipe = yaml.safe_load(run_dir.recipe.read_text()) if run_dir.recipe.exists() else {}
+    return Run(run_dir.path, recipe, data.get("summary", {}), data.get("env", {}), read_metrics(run_dir.metrics))
+
+
+def list_runs(root: str | Path = "runs") -> list[Run]:
+    root = Path(root)
+    if not root.exists():
+        return []
+    return [load_run(child) for child in sorted(root.iterdir()) if (child / "run.json").exists()]
+
+
+COMPARE_COLUMNS = ["run", "status", "method", "strategy", "world_size", "steps", "tokens_per_s",
+                   "peak_memory_mb", "predicted_peak_memory_mb", "mfu", "wall_s", "final_loss",
+                   "eval_loss_first", "eval_loss_final"]
+
+
+def compare_rows(runs: list[Run]) -> list[dict]:
+    rows = []
+    for run in runs:
+        s = run.summary
+        rows.append({
+            "run": run.name, "status": s.get("status"),
+            "method": run.recipe.get("adapter", {}).get("method"), "strategy": s.get("strategy"),
+            "world_size": s.get("world_size"), "steps": s.get("steps"), "tokens_per_s": s.get("tokens_per_s"),
+            "peak_memory_mb": s.get("peak_memory_mb"), "predicted_peak_memory_mb": s.get("predicted_peak_memory_mb"),
+            "mfu": s.get("mfu"), "wall_s": s.get("wall_s"), "final_loss": s.get("final_loss"),
+            "eval_loss_first": s.get("eval_loss_first"), "eval_loss_final": s.get("eval_loss_final"),
+        })
+    return rows

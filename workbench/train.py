@@ -1,0 +1,363 @@
+"""The training loop: one Accelerate loop, read top to bottom.
+
+    setup → data → model → optimizer → (resume) → for each step: accumulate, clip, step, log,
+    eval, checkpoint → save adapter → summary in run.json
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from .data import IGNORE, Collator, EpochSampler, prepare_data
+from .distributed import build_accelerator, configure_threads, resolve_strategy, world_size_from_env
+from .errors import WorkbenchError
+from .export import generate_text
+from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb
+from .models import attach_adapter, count_parameters, load_base_model, load_tokenizer
+from .recipe import Recipe
+from .runs import RunDir, environment, write_json_atomic
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    summary: dict
+    metrics: list = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Progress:
+    """Where the loop is; saved with every checkpoint so a resumed run continues exactly here."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    flops: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
+    """Train the recipe in this process (one of N when launched with `accelerate launch`)."""
+    started = time.perf_counter()
+    run = RunDir(recipe.run_dir)
+    strategy, why = resolve_strategy(recipe, world_size_from_env())
+    threads = configure_threads(recipe.training.threads)
+    accelerator = build_accelerator(recipe, str(run.path))
+    main = accelerator.is_main_process
+    if main:
+        run.prepare(resume=resume, overwrite=overwrite)
+    accelerator.wait_for_everyone()
+    if main:
+        recipe.save(run.recipe)
+        run.update_json(env=environment(accelerator), summary={"status": "running", "strategy": strategy,
+                                                               "strategy_reason": why, "threads": threads})
+    try:
+        summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy)
+    except BaseException as err:
+        if main:
+            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            run.update_json(summary={"status": status, "error": f"{type(err).__name__}: {err}"})
+        raise
+    finally:
+        accelerator.end_training()
+    from .metrics import read_metrics
+
+    return TrainResult(run.path, summary, read_metrics(run.metrics))
+
+
+def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
+           strategy: str) -> dict:
+    cfg = recipe.training
+    main = accelerator.is_main_process
+    torch.manual_seed(cfg.seed)
+
+    # -- data ---------------------------------------------------------------------------------
+    tokenizer = load_tokenizer(recipe.model)
+    with accelerator.main_process_first():
+        data = prepare_data(recipe.data, tokenizer, seed=cfg.seed)
+    collate = Collator(tokenizer.pad_token_id)
+    sampler = EpochSampler(len(data.train), seed=cfg.seed)
+    train_loader = DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate)
+    eval_loader = (DataLoader(data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate)
+                   if data.eval is not None else None)
+
+    # -- model and optimizer ------------------------------------------------------------------
+    torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
+    model = attach_adapter(load_base_model(recipe), recipe)
+    ensure_trainable(model)
+    total_params, trainable_params = count_parameters(model)
+    flop_counter = FlopCounter(model, model.config)
+    optimizer = build_optimizer(model, recipe)
+
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    scheduler = build_scheduler(optimizer, recipe, total_steps)
+    state = Progress()
+    accelerator.register_for_checkpointing(scheduler, state)
+
+    metrics = MetricsWriter(run.metrics, enabled=main)
+    if resume and (latest := run.latest_checkpoint()) is not None:
+        accelerator.load_state(str(latest[1]))
+        metrics.truncate_after(state.step)
+        accelerator.print(f"resumed from {latest[1]} at step {state.step}")
+    elif main:
+        metrics.truncate_after(0)
+    if accelerator.trackers == [] and recipe.output.trackers:
+        accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()))
+
+    summary = {"status": "running", "world_size": accelerator.num_processes, "total_steps": total_steps,
+               "params": total_params, "trainable_params": trainable_params, **data.stats}
+    samples = _sample_generations(recipe, model, tokenizer, accelerator) if state.step == 0 else None
+    eval_first = evaluate(model, eval_loader, accelerator) if eval_loader is not None and state.step == 0 else None
+    if eval_first is not None and main:
+        metrics.write({"step": 0, "eval_loss": eval_first})
+
+    # -- the loop -----------------------------------------------------------------------------
+    bar = _progress(total_steps, state.step, enabled=progress_bar and main)
+    model.train()
+    window_loss = torch.zeros((), device=accelerator.device)
+    window_targets = torch.zeros((), device=accelerator.device)
+    window_tokens, window_start = 0, time.perf_counter()
+    last_loss = None
+    while state.step < total_steps:
+        train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
+        batches = (accelerator.skip_first_batches(train_loader, state.batches_in_epoch)
+                   if state.batches_in_epoch else train_loader)
+        for micro_batches in _windows(batches, cfg.grad_accum):
+            step_start = time.perf_counter()
+            targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
+            for i, batch in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with nullcontext() if last else accelerator.no_sync(model):
+                    loss_sum = causal_lm_loss_sum(model, batch)
+                    # Normalise over every target token of the step on every rank; DDP averages
+                    # gradients over ranks, so scale by the world size to undo that mean.
+                    accelerator.backward(loss_sum * accelerator.num_processes / targets.clamp(min=1))
+                window_loss += loss_sum.detach()
+                tokens = int(batch["num_tokens"])
+                window_tokens += tokens
+                state.flops += flop_counter.step_flops(tokens, int(batch["num_attended"]))
+            window_targets += _targets_local(micro_batches)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            state.step += 1
+            state.batches_in_epoch += len(micro_batches)
+            state.train_seconds += time.perf_counter() - step_start
+            bar.update(1)
+
+            if state.step % recipe.output.log_every == 0 or state.step == total_steps:
+                # The only host sync of the loop: read the loss when a row is written.
+                loss_total = accelerator.reduce(window_loss, reduction="sum")
+                target_total = accelerator.reduce(window_targets, reduction="sum")
+                last_loss = (loss_total / target_total.clamp(min=1)).item()
+                tokens_total = int(accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device),
+                                                      reduction="sum"))
+                state.tokens += tokens_total
+                elapsed = time.perf_counter() - window_start
+                row = {"step": state.step, "epoch": state.epoch, "loss": round(last_loss, 6),
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 6),
+                       "tokens": state.tokens, "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 2),
+                       "peak_memory_mb": round(peak_memory_mb(accelerator.device)[0], 1)}
+                metrics.write(row)
+                accelerator.log({k: v for k, v in row.items() if k != "step"}, step=state.step)
+                bar.set_postfix(loss=f"{last_loss:.4f}")
+                window_loss.zero_(), window_targets.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+
+            if eval_loader is not None and recipe.output.eval_every and state.step % recipe.output.eval_every == 0 \
+                    and state.step != total_steps:
+                eval_loss = evaluate(model, eval_loader, accelerator)
+                metrics.write({"step": state.step, "eval_loss": eval_loss})
+                accelerator.log({"eval_loss": eval_loss}, step=state.step)
+
+            if recipe.output.save_every and state.step % recipe.output.save_every == 0:
+                save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
+
+            if state.step >= total_steps:
+                break
+        else:  # the epoch's data ran out before the step budget
+            state.epoch += 1
+            state.batches_in_epoch = 0
+    bar.close()
+
+    # -- the end: final eval, adapter, summary --------------------------------------------------
+    eval_final = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
+    if eval_final is not None:
+        metrics.write({"step": state.step, "eval_loss": eval_final})
+    save_adapter(accelerator, model, tokenizer, run, recipe)
+    if samples is not None:
+        after = _sample_generations(recipe, model, tokenizer, accelerator)
+        samples = [{"prompt": p, "before": b, "after": a} for (p, b), (_, a) in zip(samples, after)]
+
+    peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)[0]], device=accelerator.device))
+    compute_dtype = "bfloat16" if recipe.training.mixed_precision == "bf16" else recipe.model.dtype
+    device_peak, peak_source = peak_flops(accelerator.device.type, compute_dtype, torch.get_num_threads())
+    world = accelerator.num_processes
+    train_s = state.train_seconds
+    summary.update({
+        "status": "completed", "steps": state.step, "epochs_started": state.epoch + 1, "tokens": state.tokens,
+        "wall_s": round(time.perf_counter() - started, 2), "train_s": round(train_s, 2),
+        "tokens_per_s": round(state.tokens / max(train_s, 1e-9), 2),
+        "tokens_per_s_per_device": round(state.tokens / max(train_s, 1e-9) / world, 2),
+        "peak_memory_mb": round(float(peaks.max()), 1), "peak_memory_mb_per_rank": [round(float(p), 1) for p in peaks],
+        "peak_memory_kind": peak_memory_mb(accelerator.device)[1],
+        "mfu": round(state.flops / max(train_s, 1e-9) / device_peak, 5), "peak_flops": device_peak,
+        "peak_flops_source": peak_source, "final_loss": last_loss,
+        "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
+    })
+    if samples is not None:
+        summary["samples"] = samples
+    if accelerator.is_main_process:
+        run.update_json(summary=summary)
+    return summary
+
+
+# -- pieces of the loop ---------------------------------------------------------------------------
+
+
+def causal_lm_loss_sum(model, batch) -> torch.Tensor:
+    """Summed next-token cross-entropy over the batch's target tokens (labels are pre-shifted)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def token_losses(model, batch) -> torch.Tensor:
+    """Per-token losses, shaped like the batch (0 where there is no target)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                             reduction="none")
+    return losses.view(batch["labels"].shape)
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> float | None:
+    if loader is None:
+        return None
+    was_training = model.training
+    model.eval()
+    loss = torch.zeros((), device=accelerator.device)
+    targets = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        loss += causal_lm_loss_sum(model, batch)
+        targets += (batch["labels"] != IGNORE).sum()
+    model.train(was_training)
+    loss, targets = accelerator.reduce(loss, reduction="sum"), accelerator.reduce(targets, reduction="sum")
+    return round((loss / targets.clamp(min=1)).item(), 6)
+
+
+def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
+    cfg = recipe.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        # fused kernels on GPUs; foreach (multi-tensor) elsewhere
+        fast = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[recipe.training.scheduler]
+    warmup = int(round(recipe.training.warmup_ratio * total_steps))
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def save_checkpoint(accelerator, run: RunDir, step: int, keep_last: int) -> None:
+    """Full training state, staged under a temporary name and renamed into place when complete."""
+    staging = run.staging_checkpoint(step)
+    accelerator.save_state(str(staging), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_json_atomic(staging / "workbench_checkpoint.json", {"step": step})
+        run.publish_checkpoint(step, keep_last)
+    accelerator.wait_for_everyone()
+
+
+def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> None:
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        target = run.adapter if recipe.adapter.method != "full" else run.path / "model"
+        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+    accelerator.wait_for_everyone()
+
+
+def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, str]] | None:
+    prompts = recipe.output.sample_prompts
+    if not prompts:
+        return None
+    unwrapped = accelerator.unwrap_model(model)
+    return [(p, generate_text(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))
+            for p in prompts]
+
+
+def _windows(batches, size: int):
+    """Group micro-batches into optimizer steps (the last group of an epoch may be shorter)."""
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def _targets(batch) -> torch.Tensor:
+    return (batch["labels"] != IGNORE).sum()
+
+
+def _targets_local(micro_batches) -> torch.Tensor:
+    return sum(_targets(mb) for mb in micro_batches)
+
+
+def _progress(total: int, done: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, disable=not enabled, desc="training", unit="step", dynamic_ncols=True)
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, name + "."))
+        elif isinstance(value, (int, float, str, bool)):
+            flat[name] = value
+        elif value is not None:
+            flat[name] = str(value)
+    return flat
+
+
+def ensure_trainable(model) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkbenchError("no trainable parameters: check adapter.target_modules")
