@@ -15,6 +15,9 @@ QUICKSTART = Path("recipes/quickstart.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .quiet import quiet_libraries
+
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -42,7 +42,9 @@ class Rows:
     fingerprint: str
 
 
-def load_rows(path: str, split: str = "train") -> Rows:
+def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], None] | None = None) -> Rows:
+    """Rows of a local file or hub data set. `check_row(row, where)` pinpoints a bad row when the
+    file as a whole cannot be read (pyarrow refuses mixed types without saying where)."""
     import datasets
 
     local = Path(path)
@@ -56,6 +58,11 @@ def load_rows(path: str, split: str = "train") -> Rows:
         try:
             dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
         except Exception as err:  # pyarrow/datasets raise many types for malformed files
+            if check_row is not None and local.suffix.lower() == ".jsonl":
+                with local.open(encoding="utf-8") as handle:
+                    rows = [json.loads(line) for line in handle if line.strip()]
+                for i, row in enumerate(rows):
+                    check_row(row, where(i))
             raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
         return Rows(dataset, path, where, _file_digest(local))
     if path.count("/") != 1 or path.startswith((".", "/")):
@@ -181,6 +188,16 @@ def row_segments(row: dict, fmt: str, tokenizer, cfg: DataSection, where: str) -
     return [(_text_field(row, "text", where), True)]
 
 
+def check_row(row: dict, fmt: str, where: str) -> None:
+    """Raise DataError naming `where` if the row does not have the fields its format needs."""
+    if fmt in ("chat", "alpaca"):
+        row_to_messages(row, fmt, where, None)
+    elif fmt == "completion":
+        _text_field(row, "prompt", where), _text_field(row, "completion", where)
+    else:
+        _text_field(row, "text", where)
+
+
 def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
     input_ids: list[int] = []
     labels: list[int] = []
@@ -244,10 +261,13 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
 
 
 def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
-    train_tok, cached = tokenize_rows(load_rows(cfg.train, cfg.split), tokenizer, cfg, cfg.limit)
+    def check(row, where):
+        check_row(row, cfg.format, where)
+
+    train_tok, cached = tokenize_rows(load_rows(cfg.train, cfg.split, check), tokenizer, cfg, cfg.limit)
     eval_tok = None
     if cfg.eval:
-        eval_tok, _ = tokenize_rows(load_rows(cfg.eval, cfg.split), tokenizer, cfg)
+        eval_tok, _ = tokenize_rows(load_rows(cfg.eval, cfg.split, check), tokenizer, cfg)
     elif cfg.eval_split:
         parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
         train_tok, eval_tok = parts["train"], parts["test"]

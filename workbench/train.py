@@ -20,8 +20,9 @@ from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import build_accelerator, configure_threads, resolve_strategy, world_size_from_env
 from .errors import WorkbenchError
 from .export import generate_text
-from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb
+from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .models import attach_adapter, count_parameters, load_base_model, load_tokenizer
+from .quiet import quiet_libraries
 from .recipe import Recipe
 from .runs import RunDir, environment, write_json_atomic
 
@@ -54,6 +55,7 @@ class Progress:
 def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
     """Train the recipe in this process (one of N when launched with `accelerate launch`)."""
     started = time.perf_counter()
+    quiet_libraries()
     run = RunDir(recipe.run_dir)
     strategy, why = resolve_strategy(recipe, world_size_from_env())
     threads = configure_threads(recipe.training.threads)
@@ -75,8 +77,8 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
         raise
     finally:
         accelerator.end_training()
-    from .metrics import read_metrics
-
+    if main:
+        summary = run.read_json()["summary"]  # with what was recorded at the start
     return TrainResult(run.path, summary, read_metrics(run.metrics))
 
 
@@ -92,7 +94,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         data = prepare_data(recipe.data, tokenizer, seed=cfg.seed)
     collate = Collator(tokenizer.pad_token_id)
     sampler = EpochSampler(len(data.train), seed=cfg.seed)
-    train_loader = DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate)
+    # Its own generator: creating a loader iterator must not draw from the global RNG that dropout
+    # uses, or a resumed run (which creates one more iterator) would drift from an uninterrupted one.
+    train_loader = DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
+                              generator=torch.Generator().manual_seed(cfg.seed))
     eval_loader = (DataLoader(data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate)
                    if data.eval is not None else None)
 
@@ -112,10 +117,11 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     state = Progress()
     accelerator.register_for_checkpointing(scheduler, state)
+    accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
     metrics = MetricsWriter(run.metrics, enabled=main)
     if resume and (latest := run.latest_checkpoint()) is not None:
-        accelerator.load_state(str(latest[1]))
+        accelerator.load_state(str(latest[1]), strict=False)  # checkpoints hold trainable weights only
         metrics.truncate_after(state.step)
         accelerator.print(f"resumed from {latest[1]} at step {state.step}")
     elif main:
@@ -317,6 +323,13 @@ def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str
     unwrapped = accelerator.unwrap_model(model)
     return [(p, generate_text(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))
             for p in prompts]
+
+
+def _only_trainable_weights(models, weights, output_dir) -> None:
+    """Checkpoints keep what training changes (adapter weights), not the frozen base model."""
+    for i, model in enumerate(models):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
 
 
 def _windows(batches, size: int):

@@ -1,0 +1,36 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.chdir(ROOT)  # recipes name their data relative to the project root
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path):
+    """The tiny recipe, writing into a temporary folder, small enough for a test (fp32, no dropout)."""
+    from workbench import Recipe
+
+    return Recipe.load(ROOT / "recipes/tiny.yaml").override(
+        f"output.dir={tmp_path}/{{name}}", "output.save_every=null", "output.eval_every=null",
+        "output.log_every=1", "training.threads=1",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from workbench.builtin import resolve_builtin
+
+    return resolve_builtin("builtin:tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_path)

@@ -1,0 +1,177 @@
+import json
+
+import pytest
+import torch
+
+from workbench import DataError
+from workbench.data import IGNORE, Collator, EpochSampler, pack, prepare_data, tokenize_row
+from workbench.recipe import DataSection
+
+
+def cfg(**kw) -> DataSection:
+    return DataSection(**{"max_seq_len": 128, **kw})
+
+
+CHAT = {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
+                     {"role": "assistant", "content": "2 plus 2 is 4."}]}
+
+
+def decoded_targets(tok, out):
+    return tok.decode([t for t, label in zip(out["input_ids"], out["labels"]) if label != IGNORE])
+
+
+def test_chat_learns_only_the_answer_and_its_eos(tiny_tokenizer):
+    out = tokenize_row(CHAT, tiny_tokenizer, cfg(), "x:1")
+    assert decoded_targets(tiny_tokenizer, out) == "2 plus 2 is 4.<|im_end|>\n"
+    full = tiny_tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
+    assert tiny_tokenizer.decode(out["input_ids"]) == full
+
+
+def test_multi_turn_chat_learns_every_assistant_turn(tiny_tokenizer):
+    row = {"messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"],
+                        {"role": "user", "content": "And 3 plus 3?"}, {"role": "assistant", "content": "6."}]}
+    out = tokenize_row(row, tiny_tokenizer, cfg(), "x:1")
+    assert decoded_targets(tiny_tokenizer, out) == "2 plus 2 is 4.<|im_end|>\n6.<|im_end|>\n"
+
+
+def test_train_on_all_learns_the_prompt_too(tiny_tokenizer):
+    out = tokenize_row(CHAT, tiny_tokenizer, cfg(train_on="all"), "x:1")
+    assert out["labels"] == out["input_ids"]
+
+
+def test_system_prompt_is_added_when_missing(tiny_tokenizer):
+    out = tokenize_row(CHAT, tiny_tokenizer, cfg(system_prompt="Be kind."), "x:1")
+    assert tiny_tokenizer.decode(out["input_ids"]).startswith("<|im_start|>system\nBe kind.<|im_end|>")
+
+
+@pytest.mark.parametrize("fmt, row, target", [
+    ("alpaca", {"instruction": "Add", "input": "2 and 2", "output": "4"}, "4<|im_end|>\n"),
+    ("completion", {"prompt": "The sky is", "completion": " blue"}, " blue<|im_end|>"),
+    ("text", {"text": "hello world"}, "hello world<|im_end|>"),
+])
+def test_other_formats(tiny_tokenizer, fmt, row, target):
+    out = tokenize_row(row, tiny_tokenizer, cfg(format=fmt), "x:1")
+    assert decoded_targets(tiny_tokenizer, out) == target
+
+
+def test_truncation_is_counted(tiny_tokenizer):
+    out = tokenize_row({"text": "word " * 200}, tiny_tokenizer, cfg(format="text", max_seq_len=16), "x:1")
+    assert out["truncated"] and len(out["input_ids"]) == 16
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"messages": [', r"data\.jsonl:3: invalid JSON"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"data\.jsonl:3: messages\[0\]\.role must be"),
+    ({"messages": [{"role": "user", "content": 5}]}, r"data\.jsonl:3: messages\[0\]: field 'content' must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, r"data\.jsonl:3: no assistant message"),
+    ({"text": "no messages"}, r"data\.jsonl:3: field 'messages' must be a non-empty list"),
+])
+def test_bad_rows_name_file_and_line(tmp_path, tiny_tokenizer, monkeypatch, bad, message):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = write_jsonl(tmp_path / "data.jsonl", [CHAT, "", bad, CHAT])  # line 2 is blank
+    with pytest.raises(DataError, match=message):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
+def test_missing_file_and_unknown_suffix(tmp_path, tiny_tokenizer):
+    with pytest.raises(DataError, match="no such file"):
+        prepare_data(cfg(train=str(tmp_path / "none.jsonl")), tiny_tokenizer)
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(DataError, match="unsupported file type '.txt'"):
+        prepare_data(cfg(train=str(tmp_path / "d.txt")), tiny_tokenizer)
+
+
+def test_csv_and_parquet_load(tmp_path, tiny_tokenizer, monkeypatch):
+    import pandas as pd
+
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    frame = pd.DataFrame({"prompt": ["a b", "c d"], "completion": [" e", " f"]})
+    frame.to_csv(tmp_path / "d.csv", index=False)
+    frame.to_parquet(tmp_path / "d.parquet")
+    for name in ("d.csv", "d.parquet"):
+        data = prepare_data(cfg(train=str(tmp_path / name), format="completion", packing=False), tiny_tokenizer)
+        assert data.stats["train_samples"] == 2
+
+
+def test_tokenized_data_is_cached(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = write_jsonl(tmp_path / "data.jsonl", [CHAT] * 5)
+    first = prepare_data(cfg(train=str(path)), tiny_tokenizer)
+    second = prepare_data(cfg(train=str(path)), tiny_tokenizer)
+    assert (first.stats["cached"], second.stats["cached"]) == (False, True)
+    assert first.train["input_ids"] == second.train["input_ids"]
+    third = prepare_data(cfg(train=str(path), max_seq_len=64), tiny_tokenizer)  # other settings: not cached
+    assert third.stats["cached"] is False
+
+
+def test_packing_fills_sequences_and_keeps_every_sample(tiny_tokenizer):
+    import datasets
+
+    lengths = [5, 60, 33, 12, 64, 1, 40, 27]
+    rows = {"input_ids": [[i] * n for i, n in enumerate(lengths)], "labels": [[i] * n for i, n in enumerate(lengths)]}
+    packs = pack(datasets.Dataset.from_dict(rows), max_seq_len=64)
+    assert all(len(p) <= 64 for p in packs["input_ids"])
+    assert sorted(t for p in packs["input_ids"] for t in p) == sorted(t for r in rows["input_ids"] for t in r)
+    assert len(packs) == 4  # 242 tokens need at least 4 bins of 64
+    for ids, positions in zip(packs["input_ids"], packs["position_ids"]):
+        starts = [i for i, p in enumerate(positions) if p == 0]
+        segments = [ids[a:b] for a, b in zip(starts, starts[1:] + [len(ids)])]
+        assert all(len(set(s)) == 1 and len(s) == lengths[s[0]] for s in segments)
+
+
+def test_collator_targets_never_cross_samples():
+    example = {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "position_ids": [0, 1, 2, 0, 1]}
+    batch = Collator(pad_token_id=0)([example, {"input_ids": [7, 8], "labels": [7, 8], "position_ids": [0, 1]}])
+    assert batch["labels"].tolist() == [[2, 3, IGNORE, 5, IGNORE], [8, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert int(batch["num_tokens"]) == 7
+
+
+def test_packed_losses_equal_samples_run_one_by_one(tiny_path, tiny_tokenizer):
+    """The proof that packing does not leak: each token's loss is the same packed or alone."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from workbench.train import token_losses
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    rows = [tokenize_row(r, tiny_tokenizer, cfg(train_on="all"), "x") for r in (
+        CHAT, {"messages": [{"role": "user", "content": "Tell me a short story."},
+                            {"role": "assistant", "content": "The robot learns the data. A student reads."}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]})]
+    collate = Collator(tiny_tokenizer.pad_token_id)
+    packed = pack(datasets.Dataset.from_list(rows), max_seq_len=128)
+    assert len(packed) == 1
+    with torch.no_grad():
+        packed_losses = token_losses(model, collate([packed[0]]))[0]
+        alone = []
+        for r in rows:
+            example = {**r, "position_ids": list(range(len(r["input_ids"])))}
+            alone.append(token_losses(model, collate([example]))[0])
+    # packing sorts longest first; match each sample to its segment by length
+    positions = torch.tensor(packed[0]["position_ids"])
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+    segments = [packed_losses[a:b] for a, b in zip(starts, starts[1:])]
+    for losses in alone:
+        match = [s for s in segments if len(s) == len(losses)]
+        assert match and torch.allclose(match[0], losses, atol=1e-5)
+    # padding must not change the losses either
+    padded = collate([rows[0] | {"position_ids": list(range(len(rows[0]["input_ids"])))},
+                      rows[1] | {"position_ids": list(range(len(rows[1]["input_ids"])))}])
+    with torch.no_grad():
+        padded_losses = token_losses(model, padded)[0][: len(alone[0])]
+    assert torch.allclose(padded_losses, alone[0], atol=1e-5)
+
+
+def test_sampler_order_is_seeded_per_epoch():
+    sampler = EpochSampler(10, seed=1)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    second = list(sampler)
+    sampler.set_epoch(0)
+    assert list(sampler) == first and second != first and sorted(second) == list(range(10))

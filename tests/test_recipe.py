@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workbench import Recipe, RecipeError
+from workbench.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path, capsys):
+    assert main(["validate", str(path)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_defaults_fill_every_section():
+    recipe = Recipe()
+    assert recipe.adapter.method == "lora" and recipe.adapter.r == 16
+    assert recipe.training.micro_batch_size == 4 and recipe.distributed.strategy == "auto"
+    assert recipe.run_dir == Path("runs/run")
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("training: {lrr: 0.1}", "training.lrr: unknown key 'lrr' (did you mean 'lr'?)"),
+    ("adaptr: {r: 8}", "adaptr: unknown key 'adaptr' (did you mean 'adapter'?)"),
+    ("distributed: {deepspeed: {stag: 3}}", "distributed.deepspeed.stag: unknown key 'stag' (did you mean 'stage'?)"),
+    ("adapter: {method: lorax}", "adapter.method: Input should be 'lora', 'qlora', 'dora' or 'full', got 'lorax'"),
+    ("adapter: {r: -1}", "adapter.r: Input should be greater than 0"),
+    ("adapter: {target_modules: everything}", "adapter.target_modules: must be one of all-linear, attention, mlp"),
+    ("training: {micro_batch_size: many}", "training.micro_batch_size: Input should be a valid integer"),
+    ("adapter: {method: lora}\nquantization: {bits: 4}", "quantization: only used with adapter.method: qlora"),
+])
+def test_bad_recipes_name_the_field(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as err:
+        Recipe.load(path)
+    assert str(err.value).startswith(f"{path}: {expected}")
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, "name: x\ntraining:\n  lr: [1, 2\n")
+    with pytest.raises(RecipeError, match=rf"{path}:\d+: invalid YAML"):
+        Recipe.load(path)
+
+
+def test_cli_reports_bad_recipe_on_one_line_with_exit_code_2(tmp_path, capsys):
+    path = write(tmp_path, "training: {lrr: 0.1}")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {path}: training.lrr: unknown key 'lrr' (did you mean 'lr'?)"
+    assert "Traceback" not in err
+
+
+def test_overrides_are_parsed_as_yaml_values(tmp_path):
+    recipe = Recipe.load(ROOT / "recipes/tiny.yaml", [
+        "training.lr=1e-4", "adapter.r=32", "adapter.target_modules=[q_proj,v_proj]", "training.max_steps=null",
+        "output.trackers=[tensorboard]", "name=other",
+    ])
+    assert recipe.training.lr == pytest.approx(1e-4) and recipe.adapter.r == 32
+    assert recipe.adapter.target_modules == ["q_proj", "v_proj"]
+    assert recipe.training.max_steps is None and recipe.output.trackers == ["tensorboard"]
+    assert recipe.run_dir == Path("runs/other")
+
+
+def test_python_override_keeps_the_original_and_validates():
+    base = Recipe()
+    changed = base.override("training.lr=0.5", adapter__r=4)
+    assert (changed.training.lr, changed.adapter.r) == (0.5, 4)
+    assert base.training.lr == 2e-4
+    with pytest.raises(RecipeError, match="training.epochs: Input should be greater than 0"):
+        base.override("training.epochs=0")
+    with pytest.raises(RecipeError, match="expected key=value"):
+        base.override("training.lr")
+    with pytest.raises(RecipeError, match="name: is not a section"):
+        base.override("name.x=1")
+
+
+def test_show_prints_the_resolved_recipe_that_loads_back(tmp_path, capsys):
+    assert main(["show", str(ROOT / "recipes/tiny.yaml"), "adapter.r=4"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["adapter"]["r"] == 4 and resolved["distributed"]["strategy"] == "auto"
+    path = write(tmp_path, yaml.safe_dump(resolved))
+    assert Recipe.load(path) == Recipe.load(ROOT / "recipes/tiny.yaml", ["adapter.r=4"])
+
+
+def test_qlora_gets_default_4bit_quantization():
+    recipe = Recipe.from_dict({"adapter": {"method": "qlora"}})
+    assert recipe.quantization.bits == 4 and recipe.quantization.type == "nf4"

@@ -1,0 +1,36 @@
+"""Keep the output to what the user asked for: silence known-harmless notes of the libraries below."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+_HARMLESS = (
+    "Failed to load CPU gemm_4bit_forward",  # bitsandbytes: an optional hub kernel (never installed here)
+    "Setting accelerator to CPU",  # DeepSpeed probing for a GPU on a CPU machine
+)
+
+
+class _DropHarmless(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in _HARMLESS)
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    for name in ("bitsandbytes.backends.cpu.ops", "DeepSpeed"):
+        logging.getLogger(name).addFilter(_DropHarmless())
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)\b")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass
