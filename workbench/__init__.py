@@ -6,7 +6,7 @@
 """
 
 from .errors import DataError, ModelError, RecipeError, WorkbenchError
-from .export import generate
+from .export import generate, merge
 from .recipe import Recipe
 from .runs import Run, list_runs, load_run
 from .train import TrainResult, train
@@ -24,6 +24,6 @@ def compare(runs):
 
 __all__ = [
     "DataError", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
-    "compare", "generate", "list_runs", "load_run", "train",
+    "compare", "generate", "list_runs", "load_run", "merge", "train",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,13 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse cannot mix positionals after options: collect key=value overrides wherever they stand
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides or []) + extra
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

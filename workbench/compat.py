@@ -1,27 +1,90 @@
-"""Combinations the workbench refuses up front, each with what to change instead."""
+"""The compatibility matrix: combinations refused up front, each with what to change instead.
+
+`check_recipe` runs whenever a recipe is validated (no model or device needed);
+`check_runtime` runs once the device and the model's config are known, before weights load.
+The table in docs/compatibility.md lists the same rules; tests/test_compat.py checks each one.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .errors import RecipeError
+
 if TYPE_CHECKING:
     from .recipe import Recipe
 
+QUANTIZABLE_METHODS = ("qlora", "dora")  # dora + quantization = QDoRA
+
 
 def check_recipe(recipe: "Recipe") -> None:
-    """Raise ValueError (turned into a RecipeError naming the field) for an impossible recipe."""
-    method = recipe.adapter.method
-    if recipe.quantization is not None and method != "qlora":
+    """Raise ValueError (the recipe loader turns it into a RecipeError) for an impossible recipe."""
+    adapter, training, dist = recipe.adapter, recipe.training, recipe.distributed
+    method = adapter.method
+    quantized = recipe.quantization is not None
+    if quantized and method not in QUANTIZABLE_METHODS:
         raise ValueError(
-            f"quantization: only used with adapter.method: qlora (got {method}); "
+            f"quantization: only used with adapter.method: qlora or dora (got {method}); "
             "remove the quantization section or set adapter.method: qlora"
         )
-    if method == "full" and recipe.adapter.modules_to_save:
+    if method == "full" and adapter.modules_to_save:
         raise ValueError("adapter.modules_to_save: has no meaning with method full (every module is trained)")
+    if method == "full" and adapter.rslora:
+        raise ValueError("adapter.rslora: only applies to LoRA adapters; remove it or choose method lora")
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
-    if recipe.training.mixed_precision == "fp16" and recipe.model.dtype == "bfloat16":
+    if training.mixed_precision == "fp16" and recipe.model.dtype == "bfloat16":
         raise ValueError(
             "training.mixed_precision: fp16 autocast over bfloat16 weights mixes two half types; "
             "use mixed_precision: bf16 or model.dtype: float16"
         )
+    if training.gradient_checkpointing and dist.fsdp.activation_checkpointing and dist.strategy == "fsdp":
+        raise ValueError(
+            "distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on; "
+            "use one of the two"
+        )
+    shards = dist.strategy == "fsdp" or (dist.strategy == "deepspeed" and dist.deepspeed.stage == 3)
+    if quantized and shards:
+        q = recipe.quantization
+        if q.bits == 8:
+            raise ValueError("quantization.bits: 8-bit weights cannot be sharded by FSDP or ZeRO-3; use bits: 4")
+        if q.quant_storage != recipe.model.dtype:
+            raise ValueError(
+                f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                f"set quantization.quant_storage: {recipe.model.dtype}"
+            )
+    if training.optimizer != "adamw" and dist.strategy == "deepspeed":
+        raise ValueError(
+            f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
+            "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)"
+        )
+
+
+def check_runtime(recipe: "Recipe", device_type: str, model_config) -> None:
+    """Rules that depend on the device and the model's shapes."""
+    training = recipe.training
+    if training.mixed_precision == "fp16" and device_type != "cuda":
+        raise RecipeError("training.mixed_precision: fp16 needs a GPU; use bf16 or no on a CPU")
+    if training.activation_offloading and device_type != "cuda":
+        raise RecipeError(
+            "training.activation_offloading: moves activations from GPU to CPU memory, so it needs a GPU; "
+            "set it to false (or use gradient_checkpointing)"
+        )
+    if recipe.quantization is not None and recipe.quantization.bits == 4 and device_type == "cpu":
+        # bitsandbytes' CPU 4-bit kernels work on blocks of 64 output features.
+        widths = _linear_widths(model_config)
+        odd = {name: w for name, w in widths.items() if w % 64}
+        if odd:
+            listed = ", ".join(f"{k}={v}" for k, v in odd.items())
+            raise RecipeError(
+                f"quantization: 4-bit layers on a CPU need widths that are multiples of 64, this model has {listed}; "
+                "use adapter.method: lora, or run on a GPU"
+            )
+
+
+def _linear_widths(config) -> dict[str, int]:
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return {"hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size", 0),
+            "attention width": heads * head_dim, "key/value width": kv_heads * head_dim}

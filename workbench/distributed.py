@@ -31,12 +31,15 @@ def resolve_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
 
 def build_accelerator(recipe: Recipe, project_dir: str):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
-    precision = recipe.training.mixed_precision
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise RecipeError("training.mixed_precision: fp16 needs a GPU; use bf16 or no on a CPU")
+    # Accelerate keeps its state in process-wide singletons; a notebook that trains twice with
+    # different precisions needs a fresh one (the process group in PartialState is kept).
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
     return Accelerator(
-        mixed_precision=precision,
+        mixed_precision=recipe.training.mixed_precision,
         log_with=list(recipe.output.trackers) or None,
         project_dir=project_dir,
         step_scheduler_with_optimizer=False,

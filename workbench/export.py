@@ -64,3 +64,41 @@ def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens
     """Answer a prompt with a run's tuned model (or its base), or with any model path."""
     model, tokenizer = load_for_inference(source, base=base)
     return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+
+
+def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bfloat16") -> Path:
+    """Fold a run's adapter into its base model and save a plain transformers folder.
+
+    The base is loaded unquantized in `dtype` even for QLoRA runs: merging into 4-bit weights would
+    round the adapter's update away, so a QLoRA adapter merges into the dequantized base.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import DTYPES, resolve_model_path
+    from .runs import load_run
+
+    run = load_run(run_dir)
+    out = Path(out) if out else run.path / "merged"
+    if dtype not in DTYPES:
+        raise WorkbenchError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype}")
+    full_model = run.path / "model"
+    if full_model.exists():  # full fine-tuning: the model is already whole
+        model = AutoModelForCausalLM.from_pretrained(full_model, dtype=DTYPES[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(full_model)
+    else:
+        if not run.adapter_dir.exists():
+            raise WorkbenchError(f"{run.path}: the run has no adapter/ (did it finish?)")
+        base_path = resolve_model_path(run.recipe["model"]["path"])
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype])
+        model = PeftModel.from_pretrained(base, run.adapter_dir).merge_and_unload()
+        tokenizer = AutoTokenizer.from_pretrained(run.adapter_dir)
+    staging = out.with_name(out.name + ".tmp")
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    staging.rename(out)
+    return out

@@ -53,6 +53,14 @@ def load_tokenizer(model: ModelSection):
     return tokenizer
 
 
+def load_config(model: ModelSection):
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model.path)
+    return _hub_call(path, "config", lambda: AutoConfig.from_pretrained(
+        path, revision=model.revision, trust_remote_code=model.trust_remote_code))
+
+
 def load_base_model(recipe: Recipe, device_map=None):
     """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora)."""
     from transformers import AutoModelForCausalLM
@@ -64,7 +72,7 @@ def load_base_model(recipe: Recipe, device_map=None):
         revision=recipe.model.revision,
         trust_remote_code=recipe.model.trust_remote_code,
     )
-    if recipe.adapter.method == "qlora":
+    if recipe.quantization is not None:
         kwargs["quantization_config"] = bnb_config(recipe)
         kwargs["device_map"] = device_map or {"": _current_device()}
     elif device_map is not None:
@@ -113,7 +121,7 @@ def attach_adapter(model, recipe: Recipe):
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if adapter.method == "qlora":
+    if recipe.quantization is not None:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=recipe.training.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},

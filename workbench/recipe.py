@@ -89,6 +89,7 @@ class TrainingSection(Section):
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field("adamw", description="optimizer.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping norm (null: no clipping).")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
+    activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
     mixed_precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="autocast precision.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     threads: int | None = Field(None, gt=0, description="CPU threads per process (null: cores / local processes).")

@@ -21,7 +21,8 @@ from .distributed import build_accelerator, configure_threads, resolve_strategy,
 from .errors import WorkbenchError
 from .export import generate_text
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
-from .models import attach_adapter, count_parameters, load_base_model, load_tokenizer
+from .compat import check_runtime
+from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
 from .quiet import quiet_libraries
 from .recipe import Recipe
 from .runs import RunDir, environment, write_json_atomic
@@ -102,6 +103,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                    if data.eval is not None else None)
 
     # -- model and optimizer ------------------------------------------------------------------
+    check_runtime(recipe, accelerator.device.type, load_config(recipe.model))
     torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
     model = attach_adapter(load_base_model(recipe), recipe)
     ensure_trainable(model)
@@ -143,6 +145,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     window_targets = torch.zeros((), device=accelerator.device)
     window_tokens, window_start = 0, time.perf_counter()
     last_loss = None
+    offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
     while state.step < total_steps:
         train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
         batches = (accelerator.skip_first_batches(train_loader, state.batches_in_epoch)
@@ -152,7 +155,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with nullcontext() if last else accelerator.no_sync(model):
+                with nullcontext() if last else accelerator.no_sync(model), offload():
                     loss_sum = causal_lm_loss_sum(model, batch)
                     # Normalise over every target token of the step on every rank; DDP averages
                     # gradients over ranks, so scale by the world size to undo that mean.

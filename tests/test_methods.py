@@ -1,0 +1,125 @@
+"""Each adapter method and memory saver really trains, saves, reloads and resumes."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench import Recipe, merge, train
+from workbench.models import attach_adapter, bnb_config, load_base_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def method_recipe(name, tmp_path, *extra):
+    return Recipe.load(ROOT / f"recipes/{name}.yaml").override(
+        f"output.dir={tmp_path}/{{name}}", "training.max_steps=8", "output.save_every=8", "output.eval_every=null",
+        "output.log_every=1", "training.threads=1", *extra)
+
+
+def checkpoint_model(recipe, run_dir, step):
+    """The model as it was in training at `step`, rebuilt from the checkpoint's trainable weights."""
+    model = attach_adapter(load_base_model(recipe), recipe)
+    state = load_file(str(run_dir / "checkpoints" / f"step-{step}" / "model.safetensors"))
+    _, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and state
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, atol", [("tiny-dora", 1e-5), ("tiny-qlora", 2e-2), ("tiny-rslora", 1e-5)])
+def test_adapter_methods_train_and_reload_with_plain_peft(name, atol, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = method_recipe(name, tmp_path)
+    result = train(recipe, progress_bar=False)
+    losses = [r["loss"] for r in result.metrics if "loss" in r]
+    assert losses[-1] < losses[0] - 0.2, losses
+
+    config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] == (recipe.adapter.method == "dora") and config["use_rslora"] == recipe.adapter.rslora
+    kwargs = {"quantization_config": bnb_config(recipe), "device_map": {"": "cpu"}} if recipe.quantization else {}
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"],
+                                                dtype=getattr(torch, recipe.model.dtype), **kwargs)
+    plain = PeftModel.from_pretrained(base, result.run_dir / "adapter").eval()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    expected = logits(checkpoint_model(recipe, result.run_dir, 8), ids)
+    assert torch.allclose(logits(plain, ids), expected, atol=atol)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_saves_a_whole_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe = method_recipe("tiny-full", tmp_path)
+    result = train(recipe, progress_bar=False)
+    assert result.summary["trainable_params"] == result.summary["params"]
+    assert not (result.run_dir / "adapter").exists()
+    saved = AutoModelForCausalLM.from_pretrained(result.run_dir / "model", dtype=torch.float32).eval()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    assert torch.allclose(logits(saved, ids), logits(checkpoint_model(recipe, result.run_dir, 8), ids), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_qlora_resumes_from_a_checkpoint(tmp_path):
+    # No eval: bitsandbytes repacks 4-bit weights for its CPU inference kernel at the first no-grad
+    # forward, after which training runs a different (equally valid) kernel; an eval at step 0 that
+    # the resumed run skips would make the two runs differ in the last float digits.
+    recipe = method_recipe("tiny-qlora", tmp_path, "training.max_steps=6", "output.save_every=3",
+                           "output.keep_last=2", "data.eval=null")
+    whole = train(recipe, progress_bar=False)
+    crashed = recipe.override(f"output.dir={tmp_path}/crashed")
+    shutil.copytree(whole.run_dir, crashed.run_dir)
+    shutil.rmtree(crashed.run_dir / "checkpoints" / "step-6")
+    shutil.rmtree(crashed.run_dir / "adapter")
+    resumed = train(crashed, resume=True, progress_bar=False)
+    a = load_file(str(whole.run_dir / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+def test_qlora_merges_into_a_dequantized_base(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe = method_recipe("tiny-qlora", tmp_path, "training.max_steps=4", "output.save_every=null")
+    result = train(recipe, progress_bar=False)
+    out = merge(result.run_dir, dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not hasattr(merged.config, "quantization_config")
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_losses(tiny_recipe):
+    common = ["training.max_steps=3", "adapter.dropout=0.0"]
+    plain = train(tiny_recipe.override(*common, "name=plain"), progress_bar=False)
+    checkpointed = train(tiny_recipe.override(*common, "name=gc", "training.gradient_checkpointing=true"),
+                         progress_bar=False)
+    a = [r["loss"] for r in plain.metrics if "loss" in r]
+    b = [r["loss"] for r in checkpointed.metrics if "loss" in r]
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_target_module_presets(tiny_recipe):
+    from workbench.models import count_parameters
+
+    counts = {}
+    for preset in ("attention", "mlp", "all-linear"):
+        recipe = tiny_recipe.override(f"adapter.target_modules={preset}")
+        model = attach_adapter(load_base_model(recipe), recipe)
+        names = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if "lora_A" in n}
+        counts[preset] = (names, count_parameters(model)[1])
+    assert counts["attention"][0] == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert counts["mlp"][0] == {"gate_proj", "up_proj", "down_proj"}
+    assert counts["all-linear"][0] == counts["attention"][0] | counts["mlp"][0]  # lm_head excluded
+    assert counts["all-linear"][1] == counts["attention"][1] + counts["mlp"][1]
