@@ -38,7 +38,8 @@ def matmul_flops(model) -> int:
     """Weights that take part in a matmul per token: every Linear (LoRA factors and lm_head included)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
+        # PEFT wrappers expose their base layer's weight as their own: count the base layer once
+        if isinstance(module, torch.nn.Embedding) or hasattr(module, "base_layer"):
             continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__:

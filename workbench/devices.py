@@ -1,0 +1,209 @@
+"""Devices the estimator plans for: memory, peak FLOP/s and the MFU a training run usually reaches.
+
+GPU peaks are the dense bf16/fp16 tensor-core figures of workbench.metrics (one table for both);
+the CPU's memory is this machine's RAM and its peak is measured lazily by the same matmul probe
+that runs report MFU against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import WorkbenchError
+from .metrics import GPU_PEAK_FLOPS
+
+GiB = 2**30
+# Model FLOPs utilisation assumed for throughput predictions: 0.4 is what well-tuned LoRA and full
+# fine-tuning reach on recent GPUs (0.3-0.5 is common). The CPU figure is what runs of
+# builtin:smollm2-135m reached against the bf16 matmul probe on a 2-core machine (docs/estimator.md).
+GPU_MFU = 0.4
+CPU_MFU = 0.12
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str  # "cuda" or "cpu"
+    memory: int  # bytes usable by one training process (the whole RAM for "cpu")
+    peak_flops: float | None  # dense 16-bit FLOP/s; None: measured when first asked (cpu)
+    mfu: float
+    bf16: bool = True  # T4 and V100 have no bf16 tensor cores
+
+    def peak(self, dtype: str = "bfloat16") -> float:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        import torch
+
+        from .metrics import peak_flops
+
+        return peak_flops("cpu", dtype, torch.get_num_threads())[0]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "memory_bytes": self.memory,
+                "peak_flops": self.peak_flops, "mfu": self.mfu}
+
+
+_GPU_KEYS: dict[str, str] = {}  # preset name -> key of metrics.GPU_PEAK_FLOPS (matched in device names)
+
+
+def _gpu(name: str, gib: float, flops_key: str, bf16: bool = True) -> Device:
+    _GPU_KEYS[name] = flops_key
+    return Device(name, "cuda", int(gib * GiB), GPU_PEAK_FLOPS[flops_key], GPU_MFU, bf16)
+
+
+PRESETS: dict[str, Device] = {d.name: d for d in (
+    _gpu("h100", 80, "H100"),
+    _gpu("h200", 141, "H200"),
+    _gpu("a100-40gb", 40, "A100"),
+    _gpu("a100-80gb", 80, "A100"),
+    _gpu("l4", 24, "L4"),
+    _gpu("l40s", 48, "L40S"),
+    _gpu("a10g", 24, "A10G"),
+    _gpu("rtx4090", 24, "RTX 4090"),
+    _gpu("rtx3090", 24, "RTX 3090"),
+    _gpu("t4", 16, "T4", bf16=False),
+    _gpu("v100-16gb", 16, "V100", bf16=False),
+    _gpu("v100-32gb", 32, "V100", bf16=False),
+)}
+ALIASES = {"a100": "a100-80gb", "v100": "v100-16gb", "4090": "rtx4090", "3090": "rtx3090", "h100-80gb": "h100"}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from 25769803776, "24GiB", "80GB", "16 GiB" or "1.5 TiB" (GB = 10^9, GiB = 2^30)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise WorkbenchError(f"device memory must be positive, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise WorkbenchError(f"device memory: cannot read {value!r} (use bytes or e.g. 24GiB, 80GB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def cpu_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def detect() -> Device:
+    """The device a run here would use: the first CUDA GPU (matched to a preset), else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return get_device("cpu")
+    name = torch.cuda.get_device_name()
+    memory = torch.cuda.get_device_properties(0).total_memory
+    # the longest key that names this card ("L40S" before "L4"), then the preset closest in memory
+    flops_key = max((k for k in GPU_PEAK_FLOPS if k in name.upper()), key=len, default=None)
+    matches = [PRESETS[p] for p, k in _GPU_KEYS.items() if k == flops_key]
+    if not matches:
+        return Device(name, "cuda", memory, GPU_PEAK_FLOPS.get(flops_key), GPU_MFU)
+    preset = min(matches, key=lambda d: abs(d.memory - memory))
+    return Device(preset.name, "cuda", memory, preset.peak_flops, GPU_MFU, preset.bf16)
+
+
+def get_device(name: str | None = None, memory: int | str | None = None) -> Device:
+    """A preset by name ("h100", "a100-40gb", "cpu", ...), this machine's device when name is None;
+    `memory` overrides the preset's memory (e.g. a MIG slice or a card with less usable memory)."""
+    if name is None:
+        device = detect()
+    elif name.lower() == "cpu":
+        device = Device("cpu", "cpu", cpu_memory(), None, CPU_MFU)
+    else:
+        key = ALIASES.get(name.lower(), name.lower())
+        if key not in PRESETS:
+            raise WorkbenchError(f"device: unknown device '{name}' (known: cpu, {', '.join(PRESETS)})")
+        device = PRESETS[key]
+    if memory is not None:
+        device = Device(device.name, device.kind, parse_bytes(memory), device.peak_flops, device.mfu, device.bf16)
+    return device
+
+
+# -- what a training process holds before its model ------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def cpu_runtime_bytes() -> int:
+    """Peak RSS of a fresh process that imports the training stack and runs one toy LoRA step.
+
+    Measured once per set of library versions (a few seconds in a subprocess) and cached on disk.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .builtin import cache_dir
+
+    def ver(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    key = "|".join([sys.version.split()[0], sys.platform] + [ver(p) for p in (
+        "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers")])
+    path = cache_dir() / "estimator" / "cpu_runtime.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return int(cached[key])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", "from workbench.devices import _probe; _probe()"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
+    measured = int(json.loads(lines[-1])["peak_rss_bytes"])
+    cached[key] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    os.replace(tmp, path)
+    return measured
+
+
+def _probe() -> None:
+    """Run in a fresh process: what every training process holds before its model (see cpu_runtime_bytes)."""
+    import resource
+
+    import datasets
+    import torch
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    import workbench.train  # noqa: F401  (the whole training stack)
+    from workbench.builtin import CHATML_TEMPLATE
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>")
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).map(lambda row: row)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))

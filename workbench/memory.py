@@ -1,0 +1,448 @@
+"""Know before you run: the memory, speed and cost of a recipe, per device, for every sharding strategy.
+
+    est = estimate(Recipe.load("recipes/x.yaml"), world_size=8, device="h100")
+    print(est.to_text()); est.to_json(); est.to_dataframe()
+
+Every term is in bytes and explained, with its formula and the measurements behind the constants,
+in docs/estimator.md. The model is built on the meta device, so parameter counts are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .devices import Device, cpu_runtime_bytes, get_device
+from .model_configs import ModelInfo, describe_model
+from .recipe import Recipe
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
+CPU_HEAP_GROWTH = 1.7  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap, measured)
+TOKENIZER_BYTES_PER_ENTRY = 1200  # RSS of a loaded fast tokenizer per vocabulary entry (measured)
+CHARS_PER_TOKEN = 4  # token count of a data file, approximated from its text
+QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights
+OPTIM_8BIT_MIN = 4096  # bitsandbytes keeps 32-bit states for tensors smaller than this
+GiB = 2**30
+
+
+@dataclass
+class Estimate:
+    model: dict
+    device: dict
+    strategies: list[dict]
+    recommended: str
+    throughput: dict
+    notes: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # the single-device terms the breakdowns are built from
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "strategies": self.strategies, "recommended": self.recommended,
+                "throughput": self.throughput, "notes": self.notes, "device": self.device, "details": self.details}
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        rows = [{"strategy": s["name"], "per_device_bytes": s["per_device_bytes"], "cpu_bytes": s["cpu_bytes"],
+                 "fits": s["fits"], **s["breakdown"]} for s in self.strategies]
+        return pd.DataFrame(rows).set_index("strategy")
+
+    def to_text(self, width: int = 120) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        d = self.device
+        table = Table(title=f"{self.model['name']} on {d['count']} × {d['name']} ({_gib(d['memory_bytes'])} each)")
+        for col in ("strategy", "per device", "fits", "weights", "adapter", "grads", "optim", "activ.", "other",
+                    "CPU RAM/node"):
+            table.add_column(col, justify="left" if col == "strategy" else "right")
+        for s in self.strategies:
+            b = s["breakdown"]
+            mark = "*" if s["name"] == self.recommended else ""
+            table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]), "yes" if s["fits"] else "no",
+                          *(_gib(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
+                                                  "other")), _gib(s["cpu_bytes"]))
+        console = Console(width=width, record=True, file=open(os.devnull, "w"))
+        m, t = self.model, self.throughput
+        console.print(f"params {m['params']:,}  trainable {m['trainable_params']:,}")
+        console.print(table)
+        console.print(f"recommended: {self.recommended}" + ("  (* in the table)" if self.recommended != "none" else ""))
+        line = f"throughput: ~{t['tokens_per_s']:,.0f} tokens/s on {d['count']} device(s) (MFU {t['mfu']})"
+        if t.get("epoch_tokens"):
+            line += (f"; epoch of ~{t['epoch_tokens']:,} tokens: {t['epoch_hours']:.2f} h, "
+                     f"{t['gpu_hours']:.2f} device-hours")
+            if t.get("cost") is not None:
+                line += f", ~{t['cost']:.2f} at {t['price_per_gpu_hour']}/device-hour"
+        console.print(line)
+        for note in self.notes:
+            console.print(f"- {note}")
+        return console.export_text()
+
+
+def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | None = None,
+             device_memory: int | str | None = None, price_per_gpu_hour: float | None = None) -> Estimate:
+    """Memory per device for each strategy, the recommended one, and predicted throughput and cost."""
+    if world_size < 1 or nodes < 1 or world_size % nodes:
+        raise ValueError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
+    dev = get_device(device, device_memory)
+    info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
+    terms = single_device_terms(recipe, info, dev)
+    strategies = [_strategy(name, terms, dev, world_size, nodes) for name in _strategy_names(world_size, nodes)]
+    recommended = next((s["name"] for s in strategies if s["fits"]), "none")
+    model = {"name": recipe.model.path, "source": info.source, "params": info.params,
+             "trainable_params": terms["trainable_params"],
+             "total_params": info.params + (terms["trainable_params"] if recipe.adapter.method != "full" else 0)}
+    device_json = {**dev.to_json(), "count": world_size, "nodes": nodes}
+    throughput = _throughput(recipe, info, dev, world_size, price_per_gpu_hour)
+    notes = _notes(strategies, recommended, dev, world_size, terms, recipe)
+    details = {k: v for k, v in terms.items() if k != "trainable_numels"}
+    return Estimate(model, device_json, strategies, recommended, throughput, notes, details)
+
+
+def prediction_for_run(recipe: Recipe, strategy: str, world_size: int, device_type: str) -> dict:
+    """The estimate for a run's own setup, for its run.json summary beside what it measures.
+
+    On CUDA the run measures max_memory_allocated, which leaves out the CUDA context: so does this.
+    Never raises: a run must not fail because its prediction did.
+    """
+    try:
+        est = estimate(recipe, world_size=world_size, device="cpu" if device_type == "cpu" else None)
+        name = _strategy_of_run(recipe, strategy)
+        row = next((s for s in est.strategies if s["name"] == name), est.strategies[0])
+        peak = row["per_device_bytes"] - (CUDA_CONTEXT if device_type == "cuda" else 0)
+        return {"predicted_peak_memory_mb": round(peak / 2**20, 1), "predicted_strategy": row["name"],
+                "predicted_tokens_per_s": round(est.throughput["tokens_per_s"], 1)}
+    except Exception as err:  # noqa: BLE001
+        return {"prediction_error": f"{type(err).__name__}: {err}"}
+
+
+def _strategy_of_run(recipe: Recipe, strategy: str) -> str:
+    """The estimator's name for a resolved distributed strategy (single, ddp, fsdp, deepspeed)."""
+    if strategy == "deepspeed":
+        ds = recipe.distributed.deepspeed
+        offload = ds.offload_optimizer == "cpu" or ds.offload_params == "cpu"
+        return f"zero{ds.stage}" + ("_offload" if offload and ds.stage > 1 else "")
+    if strategy == "fsdp":
+        fsdp = recipe.distributed.fsdp
+        return "fsdp_offload" if fsdp.cpu_offload else "fsdp_hybrid" if fsdp.sharding == "hybrid" else "fsdp"
+    return strategy
+
+
+# -- the terms of one training process on one device ------------------------------------------------
+
+
+def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
+    """Bytes of every term for one process holding the whole model (the `single` strategy)."""
+    method, train = recipe.adapter.method, recipe.training
+    model_bytes = DTYPE_BYTES[recipe.model.dtype]
+    targets = lora_targets(recipe, info)
+    if method == "full":
+        numels = [lin.in_features * lin.out_features for lin in info.linears]
+        numels += [info.params - sum(numels)]  # embeddings, norms, biases: one lump is close enough
+        trainable, train_bytes, adapter = info.params, model_bytes, 0
+    else:
+        numels = [recipe.adapter.r * lin.in_features for lin in targets]
+        numels += [recipe.adapter.r * lin.out_features for lin in targets]
+        if method == "dora":
+            numels += [lin.out_features for lin in targets]  # the magnitude vector
+        # modules_to_save: a trained copy of each named module (counted like adapter weights, fp32)
+        numels += [lin.in_features * lin.out_features for lin in info.linears
+                   if _named(lin.name, recipe.adapter.modules_to_save or [])]
+        if any(n in ("embed_tokens", "wte", "word_embeddings") for n in recipe.adapter.modules_to_save or []):
+            numels += [info.vocab * info.hidden]
+        trainable, train_bytes = sum(numels), 4  # peft keeps adapter weights in fp32
+        adapter = 4 * trainable
+    gradients = train_bytes * trainable
+    optimizer = optimizer_bytes(numels, train_bytes, train.optimizer)
+    acts = activation_bytes(recipe, info, targets, dev.kind == "cuda")
+    runtime = CUDA_CONTEXT if dev.kind == "cuda" else cpu_runtime_bytes() + TOKENIZER_BYTES_PER_ENTRY * info.vocab
+    weights = weight_bytes(recipe, info)
+    terms = {
+        "trainable_params": trainable, "trainable_numels": numels, "weights": weights, "adapter": adapter,
+        "gradients": gradients, "optimizer": optimizer, "activations": acts["saved"] + acts["loss"],
+        "saved_activations": acts["saved"], "logits_and_loss": acts["loss"],
+        "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
+        "gathered_weights": _gathered_bytes(recipe, info),
+        "master_weights": 4 * trainable if train_bytes < 4 else 0,
+        # with one micro-batch per step, backward frees activations as it creates gradients (and
+        # zero_grad(set_to_none) frees those): the two peak one after the other, not together
+        "gradients_overlap_activations": int(train.grad_accum == 1),
+    }
+    if dev.kind == "cpu":
+        # glibc keeps freed heap pages between steps: per-step tensors cost more RSS than their size.
+        step = _step_bytes(terms, gradients) + terms["autocast_copies"]
+        terms["allocator"] = int((CPU_HEAP_GROWTH - 1) * step)
+        train_peak = sum(terms[k] for k in ("weights", "adapter", "optimizer", "autocast_copies", "runtime",
+                                            "allocator")) + _step_bytes(terms, gradients)
+        # Loading maps the checkpoint file; converting its dtype keeps file pages and new weights at once.
+        checkpoint = info.checkpoint_bytes or info.params * DTYPE_BYTES.get(info.checkpoint_dtype, 2)
+        same = info.checkpoint_dtype == recipe.model.dtype and method != "qlora"
+        load_peak = runtime + weights + (0 if same else checkpoint)
+        terms["loading"] = max(0, load_peak - train_peak)
+    return terms
+
+
+def _step_bytes(terms: dict, gradients: int) -> int:
+    """Gradients plus the activations that sit on top of them at the step's peak."""
+    if terms["gradients_overlap_activations"]:
+        return max(terms["activations"], gradients)
+    return terms["activations"] + gradients
+
+
+def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
+    """ZeRO-3/FSDP gather one unit at a time (a decoder layer, or the embedding or head) and prefetch
+    the next layer: the largest unit plus one layer, as stored (4-bit layers stay 4-bit)."""
+    if recipe.adapter.method == "qlora":
+        linear = sum(lin.in_features * lin.out_features for lin in info.linears if lin.in_layer)
+        layer = _quantized_bytes(linear, recipe) + 4 * (info.layer_params - linear)
+        embedding = 4 * info.vocab * info.hidden
+    else:
+        layer = info.layer_params * DTYPE_BYTES[recipe.model.dtype]
+        embedding = info.vocab * info.hidden * DTYPE_BYTES[recipe.model.dtype]
+    return int(max(layer, embedding) + layer)
+
+
+def lora_targets(recipe: Recipe, info: ModelInfo) -> list:
+    """The Linear modules peft wraps: all-linear is every Linear but the output head (peft's rule)."""
+    from .models import target_modules
+
+    if recipe.adapter.method == "full":
+        return []
+    wanted = target_modules(recipe.adapter)
+    if wanted == "all-linear":
+        return [lin for lin in info.linears if lin.name != info.head]
+    return [lin for lin in info.linears if _named(lin.name, wanted)]
+
+
+def _named(name: str, wanted: list[str]) -> bool:
+    """peft's matching of module names: the full name, or its last dotted components."""
+    return any(name == w or name.endswith("." + w) for w in wanted)
+
+
+def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
+    """Frozen (or, for full fine-tuning, trained) base weights as they sit in memory."""
+    if recipe.adapter.method != "qlora":
+        return info.params * DTYPE_BYTES[recipe.model.dtype]
+    quantized = sum(lin.in_features * lin.out_features for lin in info.linears if lin.name != info.head)
+    # peft's prepare_model_for_kbit_training casts the rest (embeddings, head, norms) to fp32
+    return int(_quantized_bytes(quantized, recipe) + 4 * (info.params - quantized))
+
+
+def _quantized_bytes(n: int, recipe: Recipe) -> float:
+    """bitsandbytes storage of n Linear weights: 8-bit plus an fp32 scale per row (about 1/1000),
+    or 4-bit plus one absmax per 64 weights: fp32, or with double quant 8-bit + fp32 per 256 blocks."""
+    q = recipe.quantization
+    if q.bits == 8:
+        return n * (1 + 4 / 1024)
+    blocks = n / QUANT_BLOCK
+    return n / 2 + (blocks * (1 + 4 / 256) if q.double_quant else blocks * 4)
+
+
+def optimizer_bytes(numels: list[int], param_bytes: int, optimizer: str) -> int:
+    """AdamW: two states per parameter in the parameter's dtype; 8-bit: one byte each + block scales."""
+    if optimizer == "adamw":
+        return 2 * param_bytes * sum(numels)
+    total = 0
+    for n in numels:
+        total += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= OPTIM_8BIT_MIN else 8 * n
+    return total
+
+
+def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: bool) -> dict:
+    """What autograd keeps for backward per micro-batch, the loss buffers, and autocast's weight copies.
+
+    Per token and decoder layer, each tensor in the dtype it really has (checked against autograd's
+    saved tensors in docs/estimator.md): frozen Linears keep nothing, trainable ones keep their input.
+    """
+    train, method, adapter = recipe.training, recipe.adapter.method, recipe.adapter
+    tokens = train.micro_batch_size * recipe.data.max_seq_len
+    autocast = train.mixed_precision in ("bf16", "fp16")
+    resid = 4 if method == "qlora" else DTYPE_BYTES[recipe.model.dtype]  # kbit prep upcasts the stream
+    a = 2 if autocast else resid  # attention and LoRA tensors
+    mlp = resid if method == "qlora" else a  # bitsandbytes returns its input's dtype, outside autocast
+    lora = a if autocast else 4  # peft computes the adapter in fp32 unless autocast says otherwise
+    h, q, kv = info.hidden, info.heads * info.head_dim, info.kv_heads * info.head_dim
+    layer = 0.0
+    for name, width in info.layer_norms:  # RMSNorm keeps an fp32 copy of its input (and rsqrt)
+        rows = info.heads if "q_norm" in name else info.kv_heads if "k_norm" in name else 1
+        layer += (4 * width + 4) * rows + (resid * width * rows if method == "full" else 0)  # + pre-weight
+    layer += a * (2 * q + 2 * kv) + 4 * info.heads  # q, k, v, the output (o_proj's input), log-sum-exp
+    if recipe.model.attn == "eager":  # softmax probabilities in fp32 and cast back: B x heads x T x T
+        layer += info.heads * recipe.data.max_seq_len * (4 + a)
+    layer += mlp * info.intermediate * (3 if info.gated_mlp else 1)  # gate, up, activation outputs
+    in_layer = [lin for lin in targets if lin.in_layer]
+    if method == "full":
+        layer += a * _distinct_inputs([lin for lin in info.linears if lin.in_layer])
+    elif autocast or adapter.dropout > 0 or resid != 4:
+        # peft casts the input to fp32 (then autocast to 16 bit) or drops it out: a copy per module;
+        # dropout also keeps its mask: bool on CUDA, a float noise tensor on CPU.
+        mask = (1 if on_gpu else 4) if adapter.dropout > 0 else 0
+        layer += sum(lin.in_features for lin in in_layer) * (lora + mask)
+    else:
+        layer += 4 * _distinct_inputs(in_layer)
+    layer += sum(adapter.r * lora + (2 * a * lin.out_features if method == "dora" else 0) for lin in in_layer)
+    checkpointed = resid * h  # only the layer input survives; backward recomputes the rest
+    saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
+    # fp32 log-probabilities, the gradient flowing into them and the one they produce (more than the
+    # forward's logits + fp32 upcast); backward through one layer needs about one layer again.
+    loss = tokens * max(12 * info.vocab, (2 if train.gradient_checkpointing else 1) * layer)
+    copies = 0.0
+    if autocast and method != "full":  # fp32 adapter weights, cast once per forward and kept for backward
+        copies += 2 * sum(adapter.r * (lin.in_features + lin.out_features) for lin in targets)
+    if autocast and recipe.model.dtype == "float32" and method != "qlora":  # bf16 copies of fp32 weights
+        copies += 2 * info.linear_params / (info.layers if train.gradient_checkpointing else 1)
+    return {"saved": int(saved), "loss": int(loss), "autocast_copies": int(copies)}
+
+
+def _distinct_inputs(linears: list) -> int:
+    """Input widths of Linears whose input is a tensor of its own: q/k/v and gate/up read one tensor,
+    o_proj reads attention's output (already kept by sdpa/flash, which lay it out as o_proj needs)."""
+    groups = {}
+    for lin in linears:
+        parent, leaf = lin.name.rsplit(".", 1)
+        if leaf not in ("o_proj", "out_proj", "dense"):
+            key = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
+            groups[f"{parent}.{key}"] = lin.in_features
+    return sum(groups.values())
+
+
+# -- strategies -------------------------------------------------------------------------------------
+
+SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
+           "zero3": ("weights", "adapter", "gradients", "optimizer"),
+           "fsdp": ("weights", "adapter", "gradients", "optimizer"),
+           "fsdp_hybrid": ("weights", "adapter", "gradients", "optimizer")}
+OFFLOADED = {"fsdp_offload": ("weights", "adapter", "gradients", "optimizer"), "zero2_offload": ("optimizer",),
+             "zero3_offload": ("weights", "adapter", "gradients", "optimizer")}
+
+
+def _strategy_names(world_size: int, nodes: int) -> list[str]:
+    """In order of preference: least communication and host traffic first."""
+    names = ["single" if world_size == 1 else "ddp", "zero1", "zero2"]
+    names += ["fsdp_hybrid"] if nodes > 1 else []
+    return names + ["fsdp", "zero3", "fsdp_offload", "zero2_offload", "zero3_offload"]
+
+
+def _strategy(name: str, t: dict, dev: Device, world_size: int, nodes: int) -> dict:
+    local = world_size // nodes
+    base = name.removesuffix("_offload")
+    group = local if base == "fsdp_hybrid" else world_size  # hybrid shards within a node only
+    part = {k: t[k] for k in ("weights", "adapter", "gradients", "optimizer")}
+    if base.startswith("zero"):
+        part["optimizer"] += t["master_weights"]  # DeepSpeed keeps fp32 master weights of 16-bit params
+    if base == "ddp":
+        part["gradients"] *= 2  # DDP's communication buckets hold a second copy of the gradients
+    for key in SHARDED[base]:
+        part[key] = math.ceil(part[key] / group)
+    other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
+    if base in ("zero3", "fsdp", "fsdp_hybrid"):
+        other += t["gathered_weights"]
+    offloaded = 0
+    if dev.kind == "cuda":  # on a CPU the "device" is host RAM already: offloading moves nothing
+        for key in OFFLOADED.get(name, ()):
+            offloaded += part[key]
+            part[key] = 0
+    activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
+    breakdown = {**part, "activations": activations, "other": other}
+    per_device = sum(breakdown.values())
+    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes() + offloaded
+    cpu_bytes = local * host
+    fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
+    return {"name": name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
+            "breakdown": {k: int(v) for k, v in breakdown.items()}}
+
+
+def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: int, terms: dict,
+           recipe: Recipe) -> list[str]:
+    notes = []
+    first = strategies[0]
+    if first["fits"]:
+        used = f"{_gib(first['per_device_bytes'])} of {_gib(dev.memory)}"
+        if world_size == 1:
+            notes.append(f"One {dev.name} is enough ({used}). More devices would multiply the cost "
+                         "for a less than proportional speed-up.")
+        else:
+            notes.append(f"One {dev.name} is enough ({used}): {world_size} devices multiply the device-hours "
+                         f"by {world_size} for a speed-up below {world_size}x (gradient all-reduce every step).")
+    elif recommended == "none":
+        need = next((n for n in (2**k for k in range(1, 13))
+                     if n > world_size and _strategy("fsdp", terms, dev, n, 1)["fits"]), None)
+        hint = (f"fsdp/zero3 would fit on {need} of them; " if need else
+                "sharding alone cannot help (activations are per device); ")
+        notes.append(f"Does not fit on {world_size} x {dev.name} with any strategy: {hint}try "
+                     "adapter.method=qlora, training.gradient_checkpointing=true, a smaller "
+                     "training.micro_batch_size or data.max_seq_len.")
+    if recommended.endswith("_offload"):
+        notes.append("Offloading moves states to CPU RAM over PCIe: expect several times lower throughput.")
+    if not recipe.training.gradient_checkpointing and terms["saved_activations"] > terms["weights"]:
+        notes.append("Activations dominate: training.gradient_checkpointing=true stores only each layer's input "
+                     "(about 20-30% slower).")
+    if dev.kind == "cuda" and not dev.bf16 and recipe.training.mixed_precision == "bf16":
+        notes.append(f"{dev.name} has no bf16 tensor cores: use training.mixed_precision=fp16 and model.dtype=float16.")
+    if dev.kind == "cpu":
+        notes.append("CPU figures are process peak RSS (what runs record); the runtime term is measured in a "
+                     "fresh process (cached).")
+    return notes
+
+
+# -- throughput and cost ----------------------------------------------------------------------------
+
+
+def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, price: float | None) -> dict:
+    """FLOPs per token as workbench.metrics.FlopCounter counts them, plus the recomputation of checkpointing."""
+    lora = sum(recipe.adapter.r * (lin.in_features + lin.out_features) for lin in lora_targets(recipe, info))
+    weights = info.linear_params + lora  # every matmul weight, LoRA factors and lm_head included
+    trainable = min(info.params if recipe.adapter.method == "full" else lora, weights)
+    seq = recipe.data.max_seq_len
+    attention = 12 * info.layers * info.heads * info.head_dim * (seq + 1) / 2  # causal: (T+1)/2 positions
+    model_flops = 4 * weights + 2 * trainable + attention
+    hardware_flops = model_flops + (2 * weights if recipe.training.gradient_checkpointing else 0)
+    dtype = "bfloat16" if recipe.training.mixed_precision == "bf16" else (
+        "float16" if recipe.training.mixed_precision == "fp16" else recipe.model.dtype)
+    peak = dev.peak(dtype)
+    per_device = peak * dev.mfu / hardware_flops
+    out = {"flops_per_token": int(model_flops), "hardware_flops_per_token": int(hardware_flops),
+           "peak_flops": peak, "mfu": dev.mfu, "tokens_per_s_per_device": round(per_device, 1),
+           "tokens_per_s": round(per_device * world_size, 1), "epoch_tokens": None, "epoch_hours": None,
+           "gpu_hours": None, "cost": None, "price_per_gpu_hour": price}
+    tokens = data_tokens(recipe)
+    if tokens:
+        hours = tokens / (per_device * world_size) / 3600
+        out.update(epoch_tokens=tokens, epoch_hours=hours, gpu_hours=hours * world_size,
+                   cost=hours * world_size * price if price is not None else None)
+    return out
+
+
+def data_tokens(recipe: Recipe) -> int | None:
+    """Tokens in one epoch of a local training file: its text characters / 4 (None when not local)."""
+    path = Path(recipe.data.train)
+    if not path.is_file() or path.suffix.lower() not in (".jsonl", ".json", ".csv"):
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".csv":
+        rows = text.splitlines()[1:]
+        chars = [len(r) for r in rows]
+    else:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix.lower() == ".jsonl" \
+            else json.loads(text)
+        chars = [_text_chars(item) for item in (items if isinstance(items, list) else [items])]
+    if recipe.data.limit:
+        chars = chars[: recipe.data.limit]
+    return max(1, int(sum(chars) / CHARS_PER_TOKEN))
+
+
+def _text_chars(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"
