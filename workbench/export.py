@@ -1,12 +1,92 @@
-"""Use what a run produced: generate text with the tuned (or the base) model."""
+"""Use what a run produced: load it for inference, generate text, merge the adapter into its base."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from .errors import WorkbenchError
+from .errors import RecipeError, WorkbenchError
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def inference_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact, and CPUs gain little from bf16); bf16 (or fp16) on a GPU to fit big models."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None):
+    """(model, tokenizer) in eval mode from a run directory (its tuned model, or its base with base=True)
+    or from a model path (folder, builtin:NAME, hub id).
+
+    A QLoRA run's adapter is applied to the base loaded unquantized, as `merge` does.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .models import resolve_model_path
+    from .quiet import quiet_libraries
+    from .runs import load_run
+
+    quiet_libraries()
+    device = torch.device(device) if device is not None else inference_device()
+    dtype = inference_dtype(device)
+    source = Path(source)
+    if not (source / "run.json").exists():
+        path = resolve_model_path(str(source))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model.to(device).eval(), _tokenizer(path)
+
+    run = load_run(source)
+    full_model = source / "model"
+    if not base and full_model.exists():  # full fine-tuning saved the whole model
+        model = AutoModelForCausalLM.from_pretrained(full_model, dtype=dtype)
+        return model.to(device).eval(), _tokenizer(full_model)
+    model_cfg = run.recipe.get("model", {})
+    base_path = resolve_model_path(model_cfg["path"])
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **_hub_options(model_cfg)).to(device)
+    # The adapter folder holds the tokenizer training used (pad token included): prefer it.
+    tokenizer = _tokenizer(run.adapter_dir if (run.adapter_dir / "tokenizer_config.json").exists() else base_path)
+    if not base:
+        if not run.adapter_dir.exists():
+            raise WorkbenchError(f"{source}: the run has no adapter/ (did it finish?)")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, run.adapter_dir)
+    return model.eval(), tokenizer
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding never reaches the output: reusing EOS is safe
+    return tokenizer
+
+
+def _hub_options(model_cfg: dict) -> dict:
+    return {"revision": model_cfg.get("revision"), "trust_remote_code": bool(model_cfg.get("trust_remote_code"))}
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS plus any the generation config names (chat models often have several)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+# -- generation -------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -28,77 +108,137 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-def load_for_inference(source: str | Path, base: bool = False):
-    """(model, tokenizer) from a run directory (its adapter, or its base with base=True) or a model path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import resolve_model_path
-    from .runs import load_run
-
-    source = Path(source)
-    if (source / "run.json").exists():
-        run = load_run(source)
-        model_path = resolve_model_path(run.recipe["model"]["path"])
-        full_model = source / "model"
-        if not base and full_model.exists():
-            return _load(full_model)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        if not base:
-            if not run.adapter_dir.exists():
-                raise WorkbenchError(f"{source}: the run has no adapter/ (did it finish?)")
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, run.adapter_dir)
-        return model, tokenizer
-    return _load(resolve_model_path(str(source)))
-
-
-def _load(path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
-
-
 def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64) -> str:
     """Answer a prompt with a run's tuned model (or its base), or with any model path."""
     model, tokenizer = load_for_inference(source, base=base)
     return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
 
 
-def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bfloat16") -> Path:
-    """Fold a run's adapter into its base model and save a plain transformers folder.
+# -- merging ----------------------------------------------------------------------------------
+
+
+def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bfloat16",
+          push_to_hub: str | None = None) -> Path:
+    """Fold a run's adapter into its base model and save a plain transformers folder (safetensors,
+    tokenizer, chat template, generation config) that loads without peft. Returns the folder.
 
     The base is loaded unquantized in `dtype` even for QLoRA runs: merging into 4-bit weights would
     round the adapter's update away, so a QLoRA adapter merges into the dequantized base.
+    `push_to_hub="owner/name"` uploads the folder afterwards (access is checked before merging).
     """
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .models import DTYPES, resolve_model_path
+    from .quiet import quiet_libraries
     from .runs import load_run
 
+    quiet_libraries()
+    if dtype not in DTYPES:
+        raise RecipeError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     run = load_run(run_dir)
     out = Path(out) if out else run.path / "merged"
-    if dtype not in DTYPES:
-        raise WorkbenchError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype}")
+    _check_out(out, run.path)
+    if push_to_hub:
+        check_hub_access(push_to_hub)  # fail in seconds, not after minutes of merging
+
     full_model = run.path / "model"
     if full_model.exists():  # full fine-tuning: the model is already whole
         model = AutoModelForCausalLM.from_pretrained(full_model, dtype=DTYPES[dtype])
-        tokenizer = AutoTokenizer.from_pretrained(full_model)
+        tokenizer = _tokenizer(full_model)
     else:
         if not run.adapter_dir.exists():
             raise WorkbenchError(f"{run.path}: the run has no adapter/ (did it finish?)")
-        base_path = resolve_model_path(run.recipe["model"]["path"])
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype])
-        model = PeftModel.from_pretrained(base, run.adapter_dir).merge_and_unload()
-        tokenizer = AutoTokenizer.from_pretrained(run.adapter_dir)
-    staging = out.with_name(out.name + ".tmp")
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    if out.exists():
-        import shutil
+        from peft import PeftModel
 
+        model_cfg = run.recipe.get("model", {})
+        base_path = resolve_model_path(model_cfg["path"])
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype], **_hub_options(model_cfg))
+        model = PeftModel.from_pretrained(base, run.adapter_dir).merge_and_unload()
+        tokenizer = _tokenizer(run.adapter_dir)
+    model.config.use_cache = True  # training may have switched it off for gradient checkpointing
+    generation = model.generation_config
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+
+    # Written beside the target and renamed into place, so a crash never leaves a half model.
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
+    tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
+    if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
+    if push_to_hub:
+        push_folder(out, push_to_hub)
     return out
+
+
+def _check_out(out: Path, run_path: Path) -> None:
+    """Refuse a target whose replacement would delete the run or an unrelated folder."""
+    target, run_path = out.resolve(), run_path.resolve()
+    if target == run_path or target in run_path.parents or target == run_path / "adapter":
+        raise WorkbenchError(f"--out: {out} would overwrite the run itself; choose another folder")
+    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "config.json").exists())):
+        raise WorkbenchError(f"--out: {out} exists and is not a model folder; choose a new or empty folder")
+
+
+# -- the Hugging Face Hub ---------------------------------------------------------------------
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().upper()
+    return constants.HF_HUB_OFFLINE or flag in {"1", "ON", "YES", "TRUE"}
+
+
+def check_hub_access(repo: str) -> None:
+    """Raise a WorkbenchError unless the hub is reachable and a token is set that it accepts."""
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        raise RecipeError(f"--push-to-hub: {repo!r} is not a repository id like owner/name ({err})") from None
+    if hub_offline():
+        raise WorkbenchError(f"--push-to-hub {repo}: the Hugging Face Hub is offline (HF_HUB_OFFLINE=1); "
+                             "merge without --push-to-hub now and push when online")
+    try:
+        if get_token() is None:
+            raise WorkbenchError(f"--push-to-hub {repo}: not logged in to the Hugging Face Hub "
+                                 "(run `hf auth login` or set HF_TOKEN)")
+        HfApi().whoami()
+    except WorkbenchError:
+        raise
+    except Exception as err:  # network and HTTP failures come in many types; all end the same way
+        raise WorkbenchError(f"--push-to-hub {repo}: {_hub_problem(err)}") from None
+
+
+def push_folder(folder: Path, repo: str) -> str:
+    """Upload a merged folder to a (new or existing) model repository; returns the repository URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        url = api.create_repo(repo, repo_type="model", exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
+                          commit_message="Upload merged model (lora-workbench)")
+    except Exception as err:
+        raise WorkbenchError(f"--push-to-hub {repo}: {_hub_problem(err)}; the merged model is saved in {folder}") \
+            from None
+    return str(url)
+
+
+def _hub_problem(err: Exception) -> str:
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if isinstance(err, OfflineModeIsEnabled):
+        return "the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)"
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, HfHubHTTPError) and status in (401, 403):
+        return f"the hub refused the token (HTTP {status}): check `hf auth login` or HF_TOKEN"
+    if isinstance(err, HfHubHTTPError) and status is not None:
+        return f"the hub answered HTTP {status}: {first}"
+    return f"cannot reach the Hugging Face Hub (no network?): {first}"

@@ -131,6 +131,7 @@ class Run:
     summary: dict
     env: dict
     metrics: list[dict] = field(repr=False, default_factory=list)
+    evaluation: dict = field(repr=False, default_factory=dict)  # from `workbench evaluate`
 
     @property
     def name(self) -> str:
@@ -149,7 +150,8 @@ def load_run(path: str | Path) -> Run:
 
     data = run_dir.read_json()
     recipe = yaml.safe_load(run_dir.recipe.read_text()) if run_dir.recipe.exists() else {}
-    return Run(run_dir.path, recipe, data.get("summary", {}), data.get("env", {}), read_metrics(run_dir.metrics))
+    return Run(run_dir.path, recipe, data.get("summary", {}), data.get("env", {}), read_metrics(run_dir.metrics),
+               data.get("evaluation") or {})
 
 
 def list_runs(root: str | Path = "runs") -> list[Run]:
@@ -161,7 +163,8 @@ def list_runs(root: str | Path = "runs") -> list[Run]:
 
 COMPARE_COLUMNS = ["run", "status", "method", "strategy", "world_size", "steps", "tokens_per_s",
                    "peak_memory_mb", "predicted_peak_memory_mb", "mfu", "wall_s", "final_loss",
-                   "eval_loss_first", "eval_loss_final"]
+                   "eval_loss_first", "eval_loss_final", "base_eval_loss", "tuned_eval_loss", "base_contains",
+                   "tuned_contains", "tuned_exact_match"]
 
 
 def compare_rows(runs: list[Run]) -> list[dict]:
@@ -175,5 +178,14 @@ def compare_rows(runs: list[Run]) -> list[dict]:
             "peak_memory_mb": s.get("peak_memory_mb"), "predicted_peak_memory_mb": s.get("predicted_peak_memory_mb"),
             "mfu": s.get("mfu"), "wall_s": s.get("wall_s"), "final_loss": s.get("final_loss"),
             "eval_loss_first": s.get("eval_loss_first"), "eval_loss_final": s.get("eval_loss_final"),
+            **_evaluation_cells(run.evaluation),
         })
     return rows
+
+
+def _evaluation_cells(evaluation: dict) -> dict:
+    """The scores of `workbench evaluate`, base beside tuned (None where not evaluated)."""
+    base, tuned = evaluation.get("base") or {}, evaluation.get("tuned") or {}
+    return {"base_eval_loss": base.get("eval_loss"), "tuned_eval_loss": tuned.get("eval_loss"),
+            "base_contains": base.get("contains"), "tuned_contains": tuned.get("contains"),
+            "tuned_exact_match": tuned.get("exact_match")}

@@ -1,0 +1,259 @@
+"""From adapter to use: merge, evaluate, chat, and the tuned model against its base."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from workbench import Recipe, WorkbenchError, generate, train
+from workbench.errors import ModelError, RecipeError
+from workbench.evaluation import evaluate, format_evaluation, greedy_answers
+from workbench.export import load_for_inference, merge
+
+ROOT = os.getcwd()  # conftest moved us to the project root
+PROMPTS = ["Tell me a short story.", "What is 12 plus 13?", "Repeat the word stone three times.",
+           "Please summarise the following text in one sentence: the quick brown fox jumps over the lazy dog."]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny LoRA run (20 steps, seconds) shared by the tests below, which only read it."""
+    out = tmp_path_factory.mktemp("runs")
+    recipe = Recipe.load("recipes/tiny.yaml").override(
+        f"output.dir={out}/{{name}}", "output.save_every=null", "output.eval_every=null", "training.threads=1")
+    return train(recipe, progress_bar=False)
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# -- merge --------------------------------------------------------------------------------------
+
+
+def test_merged_model_equals_base_plus_adapter_and_loads_without_peft(tiny_run, tmp_path):
+    out = merge(tiny_run.run_dir, out=tmp_path / "merged", dtype="float32")
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "chat_template.jinja"} <= {p.name for p in out.iterdir()}
+    assert not (tmp_path / "merged.tmp").exists()
+
+    tuned, tokenizer = load_for_inference(tiny_run.run_dir, device="cpu")  # base + PEFT adapter, fp32
+    ids = torch.arange(3, 60).unsqueeze(0)
+    expected = logits_of(tuned, ids)
+    torch.save(ids, tmp_path / "ids.pt")
+    conversation = [{"role": "user", "content": "What is 2 plus 2?"}]
+
+    # A fresh interpreter where `import peft` fails: the merged folder needs plain transformers only.
+    script = textwrap.dedent(f"""
+        import sys, json, torch
+        sys.modules["peft"] = None
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.utils import is_peft_available
+        try:
+            import peft
+            raise SystemExit("peft is importable")
+        except ImportError:
+            pass
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained({str(out)!r})
+        ids = torch.load({str(tmp_path / "ids.pt")!r})
+        with torch.no_grad():
+            torch.save(model(input_ids=ids).logits, {str(tmp_path / "logits.pt")!r})
+        rendered = tokenizer.apply_chat_template({conversation!r}, tokenize=False, add_generation_prompt=True)
+        print(json.dumps({{"peft": is_peft_available(), "class": type(model).__name__, "rendered": rendered,
+                          "quantized": hasattr(model.config, "quantization_config"),
+                          "pad": GenerationConfig.from_pretrained({str(out)!r}).pad_token_id}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["peft"] is False and report["class"] == "LlamaForCausalLM" and not report["quantized"]
+    assert report["rendered"] == tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert report["pad"] == tokenizer.pad_token_id
+    got = torch.load(tmp_path / "logits.pt")
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    with tuned.disable_adapter():  # and the adapter really changed something
+        assert not torch.allclose(logits_of(tuned, ids), expected, atol=1e-3)
+
+
+def test_merge_refuses_a_bad_dtype_or_an_output_that_would_destroy_data(tiny_run, tmp_path):
+    with pytest.raises(RecipeError, match="--dtype: must be one of bfloat16, float16, float32, got 'int8'"):
+        merge(tiny_run.run_dir, dtype="int8")
+    with pytest.raises(WorkbenchError, match="--out: .* would overwrite the run itself"):
+        merge(tiny_run.run_dir, out=tiny_run.run_dir)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(WorkbenchError, match="--out: .* is not a model folder"):
+        merge(tiny_run.run_dir, out=tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_push_to_hub_offline_or_unreachable_is_a_clear_error(tiny_run, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    out = tmp_path / "merged"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(WorkbenchError, match=r"^--push-to-hub me/tiny: the Hugging Face Hub is offline"):
+        merge(tiny_run.run_dir, out=out, push_to_hub="me/tiny")
+    assert not out.exists()  # checked before spending time on the merge
+
+    # "online" but no network: a closed local port stands in for the hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    with pytest.raises(WorkbenchError, match=r"^--push-to-hub me/tiny: cannot reach the Hugging Face Hub"):
+        merge(tiny_run.run_dir, out=out, push_to_hub="me/tiny")
+    with pytest.raises(RecipeError, match="--push-to-hub: 'not a/repo' is not a repository id"):
+        merge(tiny_run.run_dir, out=out, push_to_hub="not a/repo")
+
+
+# -- evaluate -----------------------------------------------------------------------------------
+
+
+def test_evaluate_uses_the_training_tokenization_and_saves_base_beside_tuned(tiny_run):
+    result = evaluate(tiny_run.run_dir, base=True, max_new_tokens=8)
+    tuned, base = result["tuned"], result["base"]
+    # same tokens, same masks, same token weighting: the run's own final eval loss, recomputed
+    assert tuned["eval_loss"] == pytest.approx(tiny_run.summary["eval_loss_final"], rel=1e-4)
+    assert tuned["eval_loss"] < base["eval_loss"] - 0.5
+    assert tuned["perplexity"] == pytest.approx(math.exp(tuned["eval_loss"]), rel=1e-4)
+    assert result["rows"] == tuned["answered"] == 40 and tuned["target_tokens"] == base["target_tokens"] > 0
+    for scores in (tuned, base):
+        assert 0 <= scores["exact_match"] <= scores["contains"] <= 1
+    assert {"question", "reference", "tuned", "base"} <= result["examples"][0].keys()
+    saved = json.loads((tiny_run.run_dir / "run.json").read_text())
+    assert saved["evaluation"] == json.loads(json.dumps(result)) and saved["summary"]["status"] == "completed"
+    assert "eval_loss" in format_evaluation(result) and "base" in format_evaluation(result)
+
+    again = evaluate(tiny_run.run_dir, max_new_tokens=4, limit=5)  # tuned only: no stale base survives
+    saved = json.loads((tiny_run.run_dir / "run.json").read_text())["evaluation"]
+    assert saved["base"] is None and saved["rows"] == 5 and again["tuned"]["answered"] == 5
+
+
+def test_evaluate_finds_the_rows_that_eval_split_held_out(tiny_recipe):
+    run = train(tiny_recipe.override("data.eval=null", "data.eval_split=0.1", "training.max_steps=4"),
+                progress_bar=False)
+    result = evaluate(run.run_dir, max_new_tokens=2)
+    assert result["rows"] == 20 and "held out" in result["data"]
+    assert result["tuned"]["eval_loss"] == pytest.approx(run.summary["eval_loss_final"], rel=1e-4)
+
+
+def test_accuracy_counts_exact_and_contained_answers(tiny_run, tmp_path):
+    # References that are the tuned model's own greedy answers must all match exactly.
+    answers = [generate(tiny_run.run_dir, p, max_new_tokens=6) for p in PROMPTS]
+    data = tmp_path / "own_answers.jsonl"
+    rows = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a or "x"}]}
+            for p, a in zip(PROMPTS, answers)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = evaluate(tiny_run.run_dir, data=data, max_new_tokens=6, batch_size=3, save=False)
+    expected = sum(1 for a in answers if a) / len(answers)
+    assert result["tuned"]["exact_match"] == result["tuned"]["contains"] == expected > 0
+
+    # a file in another layout (completion, CSV) is recognised from its columns
+    csv = tmp_path / "completion.csv"
+    csv.write_text("prompt,completion\nWhat is 1 plus 1?,two\nWhat is 2 plus 2?,four\nWhat is 3 plus 3?,six\n")
+    result = evaluate(tiny_run.run_dir, data=csv, max_new_tokens=4, limit=2, save=False)
+    assert result["format"] == "completion" and result["rows"] == 2 and result["tuned"]["eval_loss"] > 0
+
+
+def test_batched_left_padded_generation_matches_one_by_one(tiny_run):
+    model, tokenizer = load_for_inference(tiny_run.run_dir, base=True, device="cpu")  # long, varied answers
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    assert len({len(p) for p in prompts}) > 1  # different lengths: padding is exercised
+    batched = greedy_answers(model, tokenizer, prompts, max_new_tokens=12, batch_size=4)
+    single = greedy_answers(model, tokenizer, prompts, max_new_tokens=12, batch_size=1)
+    assert batched == single and all(batched)
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+
+class Recorder(io.StringIO):
+    """An output stream that remembers each write, to see that answers arrive in pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_chat_loop_keeps_history_resets_and_streams(tiny_path):
+    from workbench.chat import ChatSession, chat_loop
+
+    model, tokenizer = load_for_inference(tiny_path, device="cpu")  # a plain model path works too
+    session = ChatSession(model, tokenizer, max_new_tokens=12)
+    out = Recorder()
+    chat_loop(session, io.StringIO("Tell me a short story.\n\nWhat is 2 plus 2?\n/nope\n"), out)  # then EOF
+    assert [m["role"] for m in session.history] == ["user", "assistant", "user", "assistant"]
+    first = session.history[1]["content"]
+    assert first and first in out.getvalue() and "unknown command /nope" in out.getvalue()
+    answer_writes = out.writes[out.writes.index("you> ") + 1:]
+    assert len([w for w in answer_writes[:answer_writes.index("you> ")] if w.strip()]) > 1  # streamed
+    # the second turn saw the first: its prompt holds the whole conversation
+    assert tokenizer.decode(session._prompt_ids(session.history[:3])).count("Tell me a short story.") == 1
+
+    chat_loop(session, io.StringIO("/reset\n/exit\nnever read\n"), out := Recorder())
+    assert session.history == [] and "(conversation reset)" in out.getvalue()
+    assert "never read" not in out.getvalue()
+
+
+def test_chat_in_a_terminal_streams_the_tuned_answer(tiny_run):
+    import pexpect
+
+    prompt = "Tell me a short story."
+    expected = generate(tiny_run.run_dir, prompt, max_new_tokens=16)
+    env = {**os.environ, "PYTHONPATH": ROOT, "TERM": "dumb"}
+    child = pexpect.spawn(sys.executable, ["-m", "workbench.chat", str(tiny_run.run_dir), "--max-new-tokens", "16"],
+                          cwd=ROOT, env=env, encoding="utf-8", timeout=180)
+    try:
+        child.expect_exact("you> ")
+        assert "chatting with" in child.before
+        child.sendline(prompt)
+        child.expect_exact("you> ")
+        shown = child.before.replace("\r\n", "\n").split("\n", 1)[1]  # after the echoed line
+        assert shown.strip() == expected
+        child.sendline("/reset")
+        child.expect_exact("(conversation reset)")
+        child.expect_exact("you> ")
+        child.sendeof()  # Ctrl-D
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_chat_main_reports_a_bad_source_on_one_line(capsys):
+    from workbench.chat import main
+
+    assert main(["no/such/model/folder"]) == ModelError.exit_code
+    assert capsys.readouterr().err.startswith("error: model.path: no/such/model/folder does not exist")
+
+
+# -- the quickstart, end to end -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quickstart_tuned_beats_base_on_held_out_questions(tmp_path):
+    # 3 of the recipe's 6 epochs (12 steps) already teach the name; the answer is 28 tokens with EOS
+    recipe = Recipe.load("recipes/quickstart.yaml").override(
+        f"output.dir={tmp_path}/{{name}}", "output.sample_prompts=[]", "output.save_every=null",
+        "output.eval_every=null", "training.epochs=3")
+    run = train(recipe, progress_bar=False)
+    result = evaluate(run.run_dir, base=True, max_new_tokens=32)
+    tuned, base = result["tuned"], result["base"]
+    assert tuned["eval_loss"] < 0.5 * base["eval_loss"]
+    assert tuned["contains"] > base["contains"] and base["contains"] == 0  # the base has never heard of Quill
+    assert any("Quill" in e["tuned"] for e in result["examples"])
+    assert not any("Quill" in e["base"] for e in result["examples"])

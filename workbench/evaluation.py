@@ -1,0 +1,269 @@
+"""Score a run on held-out data, the tuned model beside its base.
+
+Two kinds of numbers:
+- eval loss and perplexity: token-weighted over the answer tokens, with exactly the tokenization
+  and prompt masking that training used (`workbench.data.tokenize_row`), so they are comparable
+  with the run's own eval_loss;
+- answer accuracy: the greedy answer to each prompt against the reference (the last assistant
+  message / output / completion): exact match (both stripped) and "contains" (the reference appears
+  in the answer, ignoring case and runs of white space).
+
+The result is saved in run.json under "evaluation", where `workbench runs` and the UI read it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .data import IGNORE, Collator, Rows, load_rows, row_segments, row_to_messages, tokenize_row
+from .errors import DataError, RecipeError, WorkbenchError
+from .export import load_for_inference, stop_token_ids
+from .recipe import DataSection
+from .runs import RunDir, load_run
+
+EXAMPLES_SAVED = 20  # answers kept in run.json for people to read (the scores use every row)
+
+
+@dataclass
+class Example:
+    input_ids: list[int]  # the whole sample, as training saw it
+    labels: list[int]
+    targets: int
+    prompt_ids: list[int] | None  # everything before the last answer (None: nothing to answer)
+    question: str | None
+    reference: str | None
+
+
+def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = False, max_new_tokens: int = 64,
+             limit: int | None = None, batch_size: int = 8, save: bool = True) -> dict:
+    """Evaluate a run's tuned model (and its base beside it with base=True) on held-out rows.
+
+    data: a file in any supported layout (default: the recipe's data.eval, or the rows its
+    data.eval_split held out of train); its row format is the recipe's when the columns fit, else
+    detected from the columns. Returns
+    {"tuned": {eval_loss, perplexity, exact_match, contains, ...}, "base": {...} or None, ...}.
+    """
+    started = time.perf_counter()
+    for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+        if value is not None and value <= 0:
+            raise RecipeError(f"{flag}: must be a positive number, got {value}")
+    run = load_run(run_dir)
+    cfg = DataSection.model_validate(run.recipe.get("data", {}))
+    rows, path = eval_rows(cfg, data, seed=run.recipe.get("training", {}).get("seed", 42))
+    cfg = cfg.model_copy(update={"format": row_format(rows.dataset.column_names, cfg.format)})
+
+    model, tokenizer = load_for_inference(run.path)
+    examples = build_examples(rows, tokenizer, cfg, limit)
+    result = {
+        "data": path, "format": cfg.format, "rows": len(examples),
+        "rows_without_targets": sum(1 for e in examples if e.targets == 0),
+        "max_new_tokens": max_new_tokens, "limit": limit, "run_steps": run.summary.get("steps"),
+        "device": str(next(model.parameters()).device),
+        "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    tuned, tuned_answers = score(model, tokenizer, examples, max_new_tokens, batch_size)
+    base_scores = base_answers = None
+    if base:
+        if hasattr(model, "disable_adapter"):  # a PEFT model: the base is the same weights, adapter off
+            with model.disable_adapter():
+                base_scores, base_answers = score(model, tokenizer, examples, max_new_tokens, batch_size)
+        else:  # full fine-tuning replaced the weights: load the base itself
+            del model
+            base_model, _ = load_for_inference(run.path, base=True)
+            base_scores, base_answers = score(base_model, tokenizer, examples, max_new_tokens, batch_size)
+    # Both keys always written: update_json merges, and a stale "base" must not survive a re-run.
+    result.update(tuned=tuned, base=base_scores, examples=_examples(examples, tuned_answers, base_answers))
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    if save:
+        RunDir(run.path).update_json(evaluation=result)
+    return result
+
+
+# -- rows to examples -------------------------------------------------------------------------
+
+
+def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[Rows, str]:
+    """The rows to evaluate and how to name them: `data`, else data.eval, else what eval_split held out."""
+    if data is not None:
+        return load_rows(str(data), cfg.split), str(data)
+    if cfg.eval:
+        return load_rows(cfg.eval, cfg.split), cfg.eval
+    if not cfg.eval_split:
+        raise WorkbenchError("the run's recipe has neither data.eval nor data.eval_split: pass --data FILE")
+    import datasets
+
+    # prepare_data splits the (limited) training rows with train_test_split(seed): split their
+    # indices the same way to find the very rows training held out.
+    rows = load_rows(cfg.train, cfg.split)
+    count = len(rows.dataset) if cfg.limit is None else min(cfg.limit, len(rows.dataset))
+    index = datasets.Dataset.from_dict({"i": list(range(count))})
+    picked = index.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)["test"]["i"]
+    held_out = Rows(rows.dataset.select(picked), rows.source, lambda k: rows.where(picked[k]), rows.fingerprint)
+    return held_out, f"{cfg.train} (the {cfg.eval_split:g} held out)"
+
+
+def row_format(columns: list[str], preferred: str) -> str:
+    """The recipe's row format when the file has its fields, else the one the columns reveal."""
+    needs = {"chat": {"messages"}, "alpaca": {"instruction", "output"}, "completion": {"prompt", "completion"},
+             "text": {"text"}}
+    if needs[preferred] <= set(columns):
+        return preferred
+    for fmt, fields in needs.items():
+        if fields <= set(columns):
+            return fmt
+    raise DataError(f"cannot tell the row format from the columns {sorted(columns)} "
+                    "(chat: messages; alpaca: instruction, output; completion: prompt, completion; text: text)")
+
+
+def build_examples(rows, tokenizer, cfg: DataSection, limit: int | None = None) -> list[Example]:
+    examples = []
+    for i, row in enumerate(rows.dataset):
+        if limit is not None and i >= limit:
+            break
+        where = rows.where(i)
+        sample = tokenize_row(row, tokenizer, cfg, where)  # the training tokenization, prompt masks included
+        question, reference = question_and_reference(row, cfg, where)
+        examples.append(Example(sample["input_ids"], sample["labels"], sample["targets"],
+                                _prompt_ids(row, tokenizer, cfg, where) if reference else None,
+                                question, reference))
+    if not examples:
+        raise DataError(f"{rows.source}: no rows to evaluate")
+    return examples
+
+
+def question_and_reference(row: dict, cfg: DataSection, where: str) -> tuple[str | None, str | None]:
+    if cfg.format in ("chat", "alpaca"):
+        messages = row_to_messages(row, cfg.format, where, cfg.system_prompt)
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        users = [m["content"] for m in messages[:last] if m["role"] == "user"]
+        return (users[-1] if users else None), messages[last]["content"]
+    if cfg.format == "completion":
+        return row["prompt"], row["completion"]
+    return None, None  # plain text: no prompt to answer
+
+
+def _prompt_ids(row: dict, tokenizer, cfg: DataSection, where: str) -> list[int]:
+    """Token ids up to the last answer, segment by segment as training tokenizes them."""
+    segments = row_segments(row, cfg.format, tokenizer, cfg, where)
+    last = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
+    ids: list[int] = []
+    for text, _ in segments[:last]:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+# -- scoring ----------------------------------------------------------------------------------
+
+
+def score(model, tokenizer, examples: list[Example], max_new_tokens: int, batch_size: int) -> tuple[dict, list]:
+    loss_sum, targets = loss_sum_and_targets(model, tokenizer, examples, batch_size)
+    asked = [k for k, e in enumerate(examples) if e.prompt_ids is not None]
+    answers = greedy_answers(model, tokenizer, [examples[k].prompt_ids for k in asked], max_new_tokens, batch_size)
+    references = [examples[k].reference for k in asked]
+    exact = sum(a.strip() == r.strip() for a, r in zip(answers, references))
+    contains = sum(_normal(r) in _normal(a) for a, r in zip(answers, references))
+    loss = loss_sum / targets if targets else None
+    scores = {
+        "eval_loss": round(loss, 6) if loss is not None else None,
+        "perplexity": round(math.exp(min(loss, 700)), 4) if loss is not None else None,
+        "target_tokens": targets, "answered": len(asked),
+        "exact_match": round(exact / len(asked), 4) if asked else None,
+        "contains": round(contains / len(asked), 4) if asked else None,
+    }
+    per_example = [None] * len(examples)
+    for k, answer in zip(asked, answers):
+        per_example[k] = answer
+    return scores, per_example
+
+
+@torch.no_grad()
+def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: int) -> tuple[float, int]:
+    """Summed next-token loss over every answer token, and how many there were (token-weighted)."""
+    from .train import causal_lm_loss_sum  # the very loss training reports
+
+    collate = Collator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    samples = sorted((e for e in examples if e.targets), key=lambda e: len(e.input_ids))  # less padding
+    loss_sum, targets = 0.0, 0
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start:start + batch_size]
+        batch = collate([{"input_ids": e.input_ids, "labels": e.labels,
+                          "position_ids": list(range(len(e.input_ids)))} for e in chunk])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss_sum += float(causal_lm_loss_sum(model, batch))
+        targets += int((batch["labels"] != IGNORE).sum())
+    return loss_sum, targets
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> list[str]:
+    """Greedy answers, generated in batches of left-padded prompts (new tokens follow every prompt)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    stops = stop_token_ids(model, tokenizer)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    answers = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+            mask[row, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, eos_token_id=stops)
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            cut = next((k for k, t in enumerate(new) if t in stops), len(new))  # what follows is padding
+            answers[i] = tokenizer.decode(new[:cut], skip_special_tokens=True).strip()
+    return answers
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _examples(examples: list[Example], tuned: list, base: list | None) -> list[dict]:
+    kept = []
+    for k, e in enumerate(examples):
+        if e.reference is None:
+            continue
+        item = {"question": e.question, "reference": e.reference, "tuned": tuned[k]}
+        if base is not None:
+            item["base"] = base[k]
+        kept.append(item)
+        if len(kept) == EXAMPLES_SAVED:
+            break
+    return kept
+
+
+# -- reading it back --------------------------------------------------------------------------
+
+
+def format_evaluation(result: dict) -> str:
+    """A short plain-text table of an evaluation, base beside tuned, for the CLI."""
+    models = [name for name in ("base", "tuned") if result.get(name)]
+    lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
+             f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
+    lines.append(f"  {'':<12}" + "".join(f"{name:>12}" for name in models))
+    for key in ("eval_loss", "perplexity", "exact_match", "contains"):
+        cells = "".join(f"{_cell(result[name][key]):>12}" for name in models)
+        lines.append(f"  {key:<12}{cells}")
+    for item in result.get("examples", [])[:3]:
+        lines.append(f"  question: {item['question']}\n    reference: {item['reference']}")
+        for name in models:
+            lines.append(f"    {name + ':':<10} {item.get(name)}")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
