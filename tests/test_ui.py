@@ -1,0 +1,418 @@
+"""The UI's handlers, without a browser: form ↔ YAML, validation text, path safety, jobs, compare, chat."""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("gradio")
+
+from ui import charts, form  # noqa: E402
+from ui.handlers import TABLE_HEADERS, Handlers, display_table  # noqa: E402
+from ui.jobs import JobRegistry  # noqa: E402
+from ui.workspace import PathError, Workspace  # noqa: E402
+from workbench import Recipe, RecipeError  # noqa: E402
+from workbench.runs import COMPARE_COLUMNS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.fixture
+def root(tmp_path):
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    return tmp_path
+
+
+@pytest.fixture
+def h(root):
+    return Handlers(root)
+
+
+def widgets_for(recipe: Recipe) -> list:
+    return form.widgets_from_dict(recipe.to_dict())
+
+
+def set_field(values: list, key: str, value) -> list:
+    values = list(values)
+    values[[s.key for s in form.FIELDS].index(key)] = value
+    return values
+
+
+def value_of(values: list, key: str):
+    return values[[s.key for s in form.FIELDS].index(key)]
+
+
+# -- the form, from the schema ------------------------------------------------------------------------
+
+
+def test_every_recipe_field_has_a_widget_with_its_default_and_help():
+    leaves = set()
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                leaves.add(f"{prefix}{k}")
+
+    walk(Recipe(adapter={"method": "qlora"}).to_dict())  # qlora: the quantization section is filled in
+    specs = {s.key: s for s in form.FIELDS}
+    assert leaves <= set(specs)
+    assert specs["adapter.method"].kind == "dropdown" and specs["adapter.method"].choices == ["lora", "qlora", "dora", "full"]
+    assert specs["data.packing"].kind == "checkbox" and specs["adapter.r"].kind == "int"
+    assert specs["training.lr"].kind == "float" and specs["training.lr"].default == 2e-4
+    assert specs["quantization.bits"].choices == [4, 8] and specs["quantization.enabled"].kind == "toggle"
+    assert specs["output.trackers"].kind == "multiselect" and specs["output.sample_prompts"].kind == "list"
+    assert specs["adapter.r"].description == "LoRA rank." and specs["data.max_seq_len"].label == "max_seq_len (tokens)"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_form_and_yaml_round_trip_every_shipped_recipe(path):
+    recipe = Recipe.load(path)
+    data = form.dict_from_widgets(widgets_for(recipe))
+    assert form.validate(data).to_dict() == recipe.to_dict()
+    assert form.recipe_from_yaml(form.to_yaml(data)).to_dict() == recipe.to_dict()
+
+
+def test_editing_the_form_updates_the_yaml(h):
+    values = widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml"))
+    values = set_field(values, "adapter.r", 32)
+    values = set_field(values, "adapter.target_modules", "q_proj, v_proj")
+    values = set_field(values, "output.sample_prompts", '["Hello, who are you?", "2 + 2?"]')
+    values = set_field(values, "training.max_steps", "7")
+    text, status, bad = h.form_changed(*values)
+    data = yaml.safe_load(text)
+    assert data["adapter"]["r"] == 32 and data["adapter"]["target_modules"] == ["q_proj", "v_proj"]
+    assert data["output"]["sample_prompts"] == ["Hello, who are you?", "2 + 2?"]
+    assert data["training"]["max_steps"] == 7 and data["training"]["threads"] is None
+    assert "quantization" not in data  # an optional section that is off stays out
+    assert "valid recipe" in status and not bad
+    # and back: the YAML fills the form with the same values (prompts with commas as a YAML list)
+    back, _, _ = h.yaml_changed(text)
+    assert value_of(back, "adapter.target_modules") == "q_proj, v_proj"
+    assert value_of(back, "output.sample_prompts") == '["Hello, who are you?", "2 + 2?"]'
+    assert value_of(back, "training.max_steps") == "7" and value_of(back, "training.threads") == ""
+
+
+def test_editing_the_yaml_updates_the_form_with_defaults_for_missing_keys(h):
+    values, status, bad = h.yaml_changed("name: mine\nadapter: {method: qlora, r: 4}\ntraining: {lr: 1.0e-4}\n")
+    assert value_of(values, "name") == "mine" and value_of(values, "adapter.r") == 4
+    assert value_of(values, "adapter.method") == "qlora"
+    assert value_of(values, "quantization.enabled") is True and value_of(values, "quantization.bits") == "4"
+    assert value_of(values, "training.lr") == 1e-4 and value_of(values, "training.epochs") == 1.0
+    assert value_of(values, "model.path") == "builtin:tiny"  # the schema's default
+    assert "valid recipe" in status and not bad
+
+
+def test_validation_errors_are_the_cli_validators_text(h):
+    values = set_field(widgets_for(Recipe()), "adapter.r", 0)
+    values = set_field(values, "training.threads", "lots")
+    _, status, bad = h.form_changed(*values)
+    with pytest.raises(RecipeError) as err:
+        Recipe.from_dict(form.dict_from_widgets(values), source="recipe")
+    for line in str(err.value).splitlines():
+        assert line in html.unescape(status)
+    assert "recipe: adapter.r: Input should be greater than 0" in status
+    assert "training.threads" in status and set(bad) == {"adapter", "training"}
+    assert bad["adapter"] == ["adapter.r: Input should be greater than 0"]
+    assert "wb-error" in status
+
+
+def test_yaml_errors_unknown_keys_and_unfit_values(h):
+    values, status, bad = h.yaml_changed("adapter:\n  dropuot: 0.1\n")
+    assert "unknown key 'dropuot' (did you mean 'dropout'?)" in html.unescape(status) and set(bad) == {"adapter"}
+    values, status, _ = h.yaml_changed("adapter: {r: [1, 2]}\n")
+    assert value_of(values, "adapter.r") is form.SKIP and "adapter.r" in status  # the widget keeps its value
+    values, status, _ = h.yaml_changed("adapter: {r: 4\n")
+    assert "invalid YAML" in status and all(v is form.SKIP for v in values)
+    _, status, _ = h.yaml_changed("- just\n- a list\n")
+    assert "must be a YAML mapping" in status
+    _, status, bad = h.yaml_changed("adapter: {method: lora}\nquantization: {bits: 4}\n")
+    assert "quantization: only used with adapter.method: qlora or dora" in status and "quantization" in bad
+
+
+# -- files: load, save, and nothing outside the workspace --------------------------------------------------
+
+
+def test_load_and_save_recipes_inside_the_workspace(h, root):
+    assert "recipes/tiny.yaml" in h.ws.recipe_choices()
+    text, values, status, bad = h.load_recipe("recipes/tiny.yaml")
+    assert "name: tiny" in text and value_of(values, "adapter.r") == 8 and "loaded" in status and not bad
+    status = h.save_recipe("recipes/mine/new.yaml", text.replace("name: tiny", "name: new"))
+    assert "saved recipes/mine/new.yaml" in status
+    assert Recipe.load(root / "recipes/mine/new.yaml").name == "new"
+    status = h.save_recipe("recipes/broken.yaml", "adapter: {r: 0}\n")
+    assert "not saved" in status and "adapter.r" in status and not (root / "recipes/broken.yaml").exists()
+
+
+@pytest.mark.parametrize("path", ["../outside.yaml", "/etc/passwd", "recipes/../../outside.yaml", "~/x.yaml",
+                                  "recipes/link/secret.yaml", "recipes/\x00.yaml", ""])
+def test_paths_outside_the_workspace_are_refused_everywhere(h, root, tmp_path_factory, path):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.yaml").write_text("name: top-secret-content\n")
+    (root / "recipes/link").symlink_to(outside)  # a symlink inside the root that leads out of it
+    text, _, status, _ = h.load_recipe(path)
+    assert "wb-error" in status and text is form.SKIP and "top-secret-content" not in status
+    assert "not saved" in h.save_recipe(path, "name: x\n")
+    assert not (root.parent / "outside.yaml").exists() and not list(outside.glob("*.yaml"))[1:]
+    with pytest.raises(PathError):
+        h.ws.run_dir(path or "..")
+
+
+def test_run_names_and_recipe_fields_cannot_leave_the_workspace(h, root):
+    for name in ("..", "../..", "/etc", "x/../../y"):
+        with pytest.raises(PathError):
+            h.ws.run_dir(name)
+        assert "wb-error" in h.compare([name])[-1]
+        assert "wb-error" in h.chat(name, "hi")[-1]
+        assert h.export_csv([name])[0] is None
+    tiny = (root / "recipes/tiny.yaml").read_text()
+    for override in ("output.dir=../escape/{name}", "data.train=/etc/passwd", "data.eval=../../e.jsonl",
+                     "model.path=/opt/models/x"):
+        text = Recipe.from_dict(yaml.safe_load(tiny)).override(override).to_yaml()
+        name, status = h.launch(text, 1)
+        assert name is None and "outside the workspace" in status, override
+        assert "outside the workspace" in h.form_changed(*form.widgets_from_dict(yaml.safe_load(text)))[1]
+    assert not (root.parent / "escape").exists() and h.jobs.names() == []
+
+
+def test_several_processes_go_through_workbench_launch(root, monkeypatch):
+    import subprocess
+
+    started = []
+
+    class FakeProcess:
+        pid = 999_999
+
+        def __init__(self, argv, **kwargs):
+            started.append((argv, kwargs))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeProcess)
+    h = Handlers(root)
+    name, status = h.launch(tiny_text("multi"), 2)
+    argv, kwargs = started[-1]
+    assert name == "multi" and argv[1:] == ["-m", "workbench", "launch", ".workbench-ui/jobs/multi/recipe.yaml",
+                                            "--nproc", "2", "--overwrite"]
+    assert kwargs["cwd"] == root.resolve() and kwargs["start_new_session"] and "shell" not in kwargs
+    assert "resumed multi" in h.resume("multi")
+    assert started[-1][0][3:] == ["launch", ".workbench-ui/jobs/multi/recipe.yaml", "--nproc", "2", "--resume"]
+    assert "not launched" in h.launch(tiny_text("multi"), 0)[1]
+
+
+def test_ui_dir_and_job_names_are_safe(root):
+    registry = JobRegistry(Workspace(root))
+    for name in ("..", "../x", "/tmp"):
+        assert registry.status(name) is None
+        assert "not running" in registry.stop(name)
+
+
+# -- compare, CSV, estimate, charts ---------------------------------------------------------------------
+
+
+def fake_run(root: Path, name: str, **summary) -> None:
+    run = root / "runs" / name
+    run.mkdir(parents=True)
+    s = {"status": "completed", "strategy": "single", "world_size": 1, "steps": 4, "tokens_per_s": 1234.5,
+         "peak_memory_mb": 512.25, "predicted_peak_memory_mb": 600.0, "mfu": 0.0123, "wall_s": 9.5,
+         "final_loss": 1.23456, "eval_loss_first": 2.0, "eval_loss_final": 1.5, **summary}
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": s}))
+    (run / "recipe.yaml").write_text(Recipe(name=name).to_yaml())
+    rows = [{"step": 0, "eval_loss": 2.0}, *({"step": i, "loss": 3.0 / i, "tokens_per_s": 1000.0 + i} for i in range(1, 5)),
+            {"step": 4, "eval_loss": 1.5}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_compare_table_charts_and_csv_export(h, root):
+    fake_run(root, "a")
+    fake_run(root, "b", tokens_per_s=2000.0, mfu=None, predicted_peak_memory_mb=None)
+    assert h.ws.run_choices() == ["a", "b"]
+    table, memory, speed, losses, status = h.compare(["a", "b"])
+    assert list(table.columns) == [TABLE_HEADERS[c] for c in COMPARE_COLUMNS]
+    assert {"method", "strategy", "world size", "tokens/s", "peak memory (MB)", "predicted peak (MB)", "MFU (%)",
+            "wall time (s)", "final loss", "eval loss (final)"} <= set(table.columns)
+    assert table["run"].tolist() == ["a", "b"] and table["MFU (%)"].tolist()[0] == 1.23
+    assert table["tokens/s"].tolist() == [1234.5, 2000.0] and table["method"].tolist() == ["lora", "lora"]
+    assert all(type(f).__name__ == "Figure" for f in (memory, speed, losses)) and "2 run(s)" in status
+    assert [line.get_label() for line in losses.axes[0].lines] == ["a", "a (eval)", "b", "b (eval)"]
+
+    path, status = h.export_csv(["a", "b"])
+    path = Path(path)
+    assert path.parent == root.resolve() / ".workbench-ui" / "exports" and "exported 2 run(s)" in status
+    rows = list(csv.DictReader(path.open()))
+    assert list(rows[0]) == COMPARE_COLUMNS and [r["run"] for r in rows] == ["a", "b"]
+    assert float(rows[0]["tokens_per_s"]) == 1234.5 and rows[1]["mfu"] == ""
+    assert display_table([]).empty and h.compare([])[-1].count("choose") == 1
+
+
+class FakeEstimate:
+    def to_json(self):
+        gib = 2**30
+
+        def strategy(name, weights, fits):
+            parts = {"weights": weights * gib, "adapter": gib // 10, "gradients": gib // 10, "optimizer": gib // 5,
+                     "activations": 3 * gib, "other": gib // 2}
+            return {"name": name, "per_device_bytes": sum(parts.values()), "cpu_bytes": 2 * gib, "fits": fits,
+                    "breakdown": parts}
+
+        return {"model": {"params": 8_000_000_000, "trainable_params": 42_000_000},
+                "strategies": [strategy("ddp", 16, False), strategy("fsdp", 4, True)], "recommended": "fsdp",
+                "device": {"name": "l4", "memory_bytes": 24 * gib, "count": 4},
+                "throughput": {"tokens_per_s": 4000.0, "epoch_hours": 2.5, "gpu_hours": 10.0, "cost": 25.0},
+                "notes": ["a note"]}
+
+
+def test_estimate_chart_from_the_estimators_json_contract(h):
+    seen = {}
+
+    def fake(recipe, **kwargs):
+        seen.update(kwargs, recipe=recipe)
+        return FakeEstimate()
+
+    text = (ROOT / "recipes/tiny.yaml").read_text()
+    fig, status, table = h.estimate(text, 4, 1, "l4", None, 2.5, estimator=fake)
+    assert seen["world_size"] == 4 and seen["device"] == "l4" and seen["price_per_gpu_hour"] == 2.5
+    assert seen["recipe"].name == "tiny" and seen["device_memory"] is None
+    assert "Recommended strategy: fsdp" in status and "4 × l4 with 24.0 GiB" in status and "a note" in status
+    assert "2.5 h" in status and "$25.00" in status
+    assert table["strategy"].tolist() == ["ddp", "fsdp"] and table["fits"].tolist() == ["no", "yes"]
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ddp", "★ fsdp"]
+    assert any(list(line.get_ydata()) == [24.0, 24.0] for line in ax.lines)  # the device-memory line, in GiB
+    assert {t.get_label() for t in ax.containers} >= {"weights", "activations", "other"}
+    # a memory override in GiB is passed on in bytes; "this machine" means the estimator's own detection
+    h.estimate(text, 1, 1, "this machine", 16, None, estimator=fake)
+    assert seen["device_memory"] == 16 * 2**30 and seen["device"] is None
+    _, status, _ = h.estimate("adapter: {r: 0}", 1, 1, "l4", None, None, estimator=fake)
+    assert "adapter.r" in status
+
+
+def test_estimate_with_the_real_estimator(h):
+    pytest.importorskip("workbench.memory")
+    fig, status, table = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 1, 1, "h100", None, None)
+    assert "Recommended strategy:" in status and len(table) >= 3 and fig.axes
+    _, status, _ = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 3, 2, "h100", None, None)
+    assert "wb-error" in status  # 3 devices cannot be split over 2 nodes
+
+
+def test_charts_draw_empty_states():
+    assert charts.curves({"x": []}, "loss", "Loss", "loss").axes[0].texts
+    assert charts.memory_breakdown([], None, None).axes[0].texts
+    assert charts.run_bars([{"run": "a", "tokens_per_s": None}], [("tokens_per_s", "t")], "T", "t").axes[0].texts
+
+
+# -- the app itself ---------------------------------------------------------------------------------------
+
+
+def test_app_builds_with_a_widget_per_field_and_safe_defaults(root):
+    import inspect
+
+    from ui import app
+
+    demo = app.build_app(root)
+    ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
+    assert {"f-" + s.key.replace(".", "-") for s in form.FIELDS} <= ids
+    assert {"recipe-yaml", "estimate-plot", "launch-btn", "compare-table", "chat-tuned"} <= ids
+    assert demo.analytics_enabled is False
+    params = inspect.signature(app.launch).parameters
+    assert params["host"].default == "127.0.0.1" and params["auth"].default is None
+    assert app.parse_auth("ann:s3:cret") == ("ann", "s3:cret") and app.parse_auth(None) is None
+    with pytest.raises(ValueError):
+        app.parse_auth("no-colon")
+
+
+# -- jobs: real tiny runs through the CLI --------------------------------------------------------------------
+
+
+def tiny_text(name: str, *overrides: str) -> str:
+    recipe = Recipe.load(ROOT / "recipes/tiny.yaml").override(f"name={name}", "training.threads=1", *overrides)
+    return recipe.to_yaml()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A workspace with one tiny run launched from the UI and run to completion."""
+    root = tmp_path_factory.mktemp("jobs")
+    shutil.copytree(ROOT / "recipes", root / "recipes")
+    h = Handlers(root)
+    name, status = h.launch(tiny_text("ui-job"), 1)
+    assert name == "ui-job", status
+    assert h.jobs.wait(name, timeout=240) == 0, h.jobs.log_tail(name)
+    return h, root
+
+
+@pytest.mark.slow
+def test_a_launched_job_runs_to_completion_and_is_watched(finished):
+    h, root = finished
+    job = json.loads((root / ".workbench-ui/jobs/ui-job/job.json").read_text())
+    assert job["command"] == ["train", ".workbench-ui/jobs/ui-job/recipe.yaml", "--overwrite", "--no-progress"]
+    status, progress, log, loss, speed, signature = h.job_view("ui-job")
+    assert "completed" in status and "step 20 / 20" in status and "20 / 20 steps" in progress
+    assert "$ workbench train" in log and "final train loss" in log
+    assert loss.axes and speed.axes
+    assert h.job_view("ui-job", signature)[3] is form.SKIP  # unchanged metrics: no redraw
+    assert "ui-job" in h.ws.run_choices(with_adapter=True) and "runs/ui-job/recipe.yaml" in h.ws.recipe_choices()
+    table, *_ = h.compare(["ui-job"])
+    assert table["status"].tolist() == ["completed"] and table["steps"].tolist() == [20]
+    assert "ui-job is not running" in h.stop("ui-job")
+    # a fresh page (or a restarted server) finds the job on disk
+    assert JobRegistry(Workspace(root)).names() == ["ui-job"]
+    assert JobRegistry(Workspace(root)).status("ui-job").state == "completed"
+
+
+@pytest.mark.slow
+def test_chat_answers_with_the_base_model_and_the_adapter(finished):
+    h, _ = finished
+    base, tuned, status = h.chat("ui-job", "What is 2 + 3?", 8)
+    assert isinstance(base, str) and isinstance(tuned, str) and "answered" in status
+    assert "choose a run" in h.chat(None, "hi")[-1]
+
+
+@pytest.mark.slow
+def test_stop_sends_sigint_and_resume_continues(root):
+    h = Handlers(root)
+    text = tiny_text("long", "training.max_steps=3000", "output.log_every=1", "output.save_every=3",
+                     "output.eval_every=null", "data.eval=null")
+    name, status = h.launch(text, 1)
+    assert name == "long", status
+    metrics = root / "runs/long/metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4, 120, "training steps")
+    assert "still running" in h.launch(text, 1)[1]
+    # another server process sees the running job through its pid, not through a Popen object
+    assert JobRegistry(Workspace(root)).status("long").state == "running"
+    assert "sent SIGINT" in h.stop("long")
+    assert h.jobs.status("long").state in ("stopping", "interrupted")
+    assert h.jobs.wait("long", timeout=60) not in (None, 0)
+    stopped = h.jobs.status("long")
+    assert stopped.state == "interrupted" and stopped.pid is None and stopped.steps >= 3
+
+    status = h.resume("long")
+    assert "resumed long" in status and "--resume" in status
+    wait_for(lambda: "resumed from" in h.jobs.log_tail("long") or h.jobs.status("long").state != "running",
+             120, "the resumed run to load its checkpoint")
+    assert "resumed from" in h.jobs.log_tail("long"), h.jobs.log_tail("long")
+    assert "sent SIGINT" in h.stop("long")
+    assert h.jobs.wait("long", timeout=60) not in (None, 0)
+    log = h.jobs.log_tail("long")
+    assert "$ workbench train .workbench-ui/jobs/long/recipe.yaml --overwrite --no-progress" in log
+    assert "$ workbench train runs/long/recipe.yaml --resume --no-progress" in log

@@ -1,0 +1,131 @@
+"""Figures for the UI, drawn with matplotlib's object API (no pyplot global state, safe across threads).
+
+They only draw numbers computed elsewhere: the estimator's breakdown, metrics.jsonl rows, run summaries.
+"""
+
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+
+GIB = 2**30
+PARTS = ["weights", "adapter", "gradients", "optimizer", "activations", "other"]
+PART_COLORS = ["#4f46e5", "#a855f7", "#f59e0b", "#ef4444", "#10b981", "#94a3b8"]
+SERIES_COLORS = ["#4f46e5", "#f97316", "#10b981", "#e11d48", "#0ea5e9", "#a855f7", "#84cc16", "#64748b"]
+INK, MUTED = "#1e293b", "#64748b"
+
+
+def _figure(width: float = 7.0, height: float = 3.6):
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_color("#cbd5e1")
+    ax.tick_params(colors=MUTED, labelsize=9)
+    ax.grid(axis="y", color="#e2e8f0", linewidth=0.8)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+def _title(ax, text: str) -> None:
+    ax.set_title(text, loc="left", fontsize=11, color=INK, fontweight="bold", pad=10)
+
+
+def empty(message: str, width: float = 7.0, height: float = 3.2) -> Figure:
+    fig, ax = _figure(width, height)
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center", color=MUTED, fontsize=11, transform=ax.transAxes)
+    return fig
+
+
+def memory_breakdown(strategies: list[dict], recommended: str | None, device_bytes: float | None,
+                     device_label: str = "device") -> Figure:
+    """Stacked per-device memory (GiB) of each strategy, with the device's memory as a dashed line."""
+    if not strategies:
+        return empty("no strategies in the estimate")
+    fig, ax = _figure(7.6, 4.0)
+    names = [s["name"] for s in strategies]
+    xs = list(range(len(names)))
+    bottoms = [0.0] * len(names)
+    for part, color in zip(PARTS, PART_COLORS):
+        heights = [float((s.get("breakdown") or {}).get(part) or 0) / GIB for s in strategies]
+        if any(heights):
+            ax.bar(xs, heights, bottom=bottoms, color=color, label=part, width=0.62, edgecolor="white", linewidth=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    totals = [max(float(s.get("per_device_bytes") or 0) / GIB, b) for s, b in zip(strategies, bottoms)]
+    top = max(totals) or 1.0
+    for x, total, s in zip(xs, totals, strategies):
+        fits = s.get("fits")
+        ax.text(x, total + top * 0.02, f"{_gib(total)}\n{'fits' if fits else 'too big'}", ha="center",
+                va="bottom", fontsize=7.5, color=INK if fits else "#b91c1c")
+    capacity = (device_bytes or 0) / GIB
+    line = f"{device_label}: {_gib(capacity)}"
+    if capacity and capacity <= top * 3:  # on the scale: draw it
+        top = max(top, capacity)
+        ax.axhline(capacity, color="#b91c1c", linestyle="--", linewidth=1.4)
+        ax.text(xs[-1] + 0.45, capacity, line, color="#b91c1c", fontsize=8, va="bottom", ha="right")
+    elif capacity:  # far above every bar: say so instead of squashing the bars flat
+        ax.text(0.99, 0.98, f"▲ {line} (far above the bars)", transform=ax.transAxes, color="#b91c1c",
+                fontsize=8, va="top", ha="right")
+    ax.set_xticks(xs, [("★ " if n == recommended else "") + n.replace("_", "\n") for n in names])
+    for label, name in zip(ax.get_xticklabels(), names):
+        if name == recommended:
+            label.set_fontweight("bold")
+            label.set_color("#4338ca")
+    ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel("memory per device (GiB)", color=MUTED, fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    _title(ax, "Memory per device, by strategy (★ recommended)")
+    return fig
+
+
+def _gib(value: float) -> str:
+    return f"{value:,.0f} GiB" if value >= 10 else f"{value:.2g} GiB" if value >= 0.01 else f"{value * 1024:.0f} MiB"
+
+
+def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eval_key: str | None = None) -> Figure:
+    """One line per run of `key` against the step (and dashed `eval_key` points when given)."""
+    drawn = False
+    fig, ax = _figure()
+    for (name, rows), color in zip(series.items(), SERIES_COLORS * 4):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        if points:
+            ax.plot(*zip(*points), color=color, linewidth=1.8, label=name if len(series) > 1 or eval_key else None)
+            drawn = True
+        if eval_key:
+            evals = [(r["step"], r[eval_key]) for r in rows if r.get(eval_key) is not None and "step" in r]
+            if evals:
+                ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=4, linewidth=1.2,
+                        label=f"{name} (eval)")
+                drawn = True
+    if not drawn:
+        return empty(f"{title}: no metrics yet")
+    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
+    ax.set_ylabel(ylabel, color=MUTED, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(frameon=False, fontsize=8)
+    _title(ax, title)
+    return fig
+
+
+def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: str, scale: float = 1.0) -> Figure:
+    """Grouped bars per run: `bars` are (column, legend label) pairs from the compare rows."""
+    rows = [r for r in rows if any(r.get(col) is not None for col, _ in bars)]
+    if not rows:
+        return empty(f"{title}: choose runs with figures")
+    fig, ax = _figure()
+    width = 0.8 / len(bars)
+    for i, ((col, label), color) in enumerate(zip(bars, SERIES_COLORS)):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
+        values = [(r.get(col) or 0) * scale for r in rows]
+        ax.bar(xs, values, width=width * 0.92, color=color, label=label)
+        for x, v, r in zip(xs, values, rows):
+            ax.text(x, v, "n/a" if r.get(col) is None else f"{v:,.0f}" if v >= 100 else f"{v:.3g}",
+                    ha="center", va="bottom", fontsize=8, color=INK)
+    ax.set_xticks(range(len(rows)), [r["run"] for r in rows], rotation=15 if len(rows) > 4 else 0)
+    ax.set_ylabel(ylabel, color=MUTED, fontsize=9)
+    ax.set_ylim(0, (ax.get_ylim()[1] or 1) * 1.12)
+    if len(bars) > 1:
+        ax.legend(frameon=False, fontsize=8)
+    _title(ax, title)
+    return fig

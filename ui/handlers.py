@@ -1,0 +1,314 @@
+"""What each button and field of the UI does: plain functions over the workbench API, tested without a browser.
+
+They return plain values (text, figures, tables, `form.SKIP` for "leave this widget alone"); ui/app.py
+wires them to Gradio components. Errors a user can act on come back as a status message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from workbench.errors import WorkbenchError
+from workbench.runs import COMPARE_COLUMNS, compare_rows, load_run
+
+from . import charts, form
+from .jobs import registry_for
+from .workspace import Workspace
+
+GIB = 2**30
+SECTIONS = ["general", *[n for n in form.Recipe.model_fields if n != "name"]]
+FALLBACK_DEVICES = ["cpu", "h100", "a100-80gb", "a100-40gb", "l4", "rtx4090"]
+THIS_MACHINE = "this machine"
+TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
+    "run": "run", "status": "status", "method": "method", "strategy": "strategy", "world_size": "world size",
+    "steps": "steps", "tokens_per_s": "tokens/s", "peak_memory_mb": "peak memory (MB)",
+    "predicted_peak_memory_mb": "predicted peak (MB)", "mfu": "MFU (%)", "wall_s": "wall time (s)",
+    "final_loss": "final loss", "eval_loss_first": "eval loss (first)", "eval_loss_final": "eval loss (final)",
+    "base_eval_loss": "base eval loss", "tuned_eval_loss": "tuned eval loss", "base_contains": "base contains",
+    "tuned_contains": "tuned contains", "tuned_exact_match": "tuned exact match",
+}
+
+
+def status_html(kind: str, text: str) -> str:
+    """A coloured status line: kind is ok, error, info or warn."""
+    body = "<br>".join(html.escape(line) for line in str(text).splitlines()) or "&nbsp;"
+    return f'<div class="wb-status wb-{kind}">{body}</div>'
+
+
+def error_sections(message: str) -> dict[str, list[str]]:
+    """The problems of a RecipeError message (one per line: `recipe: a.b: …`) by top-level section."""
+    found: dict[str, list[str]] = {}
+    for line in message.splitlines():
+        where = line.split(": ", 2)[1] if line.count(": ") >= 2 else ""
+        head = where.split(".")[0].strip()
+        section = head if head in SECTIONS[1:] else "general"
+        found.setdefault(section, []).append(line.removeprefix("recipe: "))
+    return found
+
+
+class Handlers:
+    def __init__(self, root: str | Path):
+        self.ws = Workspace(root)
+        self.jobs = registry_for(self.ws.root)
+
+    # -- Configure ------------------------------------------------------------------------------
+
+    def check(self, data: dict) -> tuple[str, dict[str, list[str]]]:
+        """(status html, {section: problems}) for a recipe mapping, from the CLI's validator."""
+        try:
+            recipe = form.validate(data)
+            self.ws.check_recipe_paths(recipe)
+        except WorkbenchError as err:
+            return status_html("error", str(err)), error_sections(str(err))
+        return status_html("ok", f"valid recipe · {recipe.name} · {recipe.adapter.method} on {recipe.model.path}"), {}
+
+    def form_changed(self, *values) -> tuple[str, str, dict[str, list[str]]]:
+        """Form → YAML: the mapping the form describes, and its validation."""
+        data = form.dict_from_widgets(list(values))
+        return form.to_yaml(data), *self.check(data)
+
+    def yaml_changed(self, text: str) -> tuple[list, str, dict[str, list[str]]]:
+        """YAML → form: widget values (SKIP where a value does not fit its widget) and the validation."""
+        try:
+            data = form.parse_yaml(text)
+        except WorkbenchError as err:
+            return [form.SKIP] * len(form.FIELDS), status_html("error", str(err)), error_sections(str(err))
+        status, bad = self.check(data)
+        try:
+            canonical = form.validate(data).to_dict()  # defaults filled in where the YAML leaves keys out
+        except WorkbenchError:
+            canonical = data
+        return form.widgets_from_dict(canonical, fallback=form.default_dict()), status, bad
+
+    def load_recipe(self, relative: str) -> tuple[str, list, str, dict[str, list[str]]]:
+        """Load recipes/x.yaml or runs/x/recipe.yaml: (YAML text, widget values, status, bad sections)."""
+        try:
+            text = self.ws.recipe_file(relative or "").read_text()
+        except (WorkbenchError, OSError) as err:
+            return form.SKIP, [form.SKIP] * len(form.FIELDS), status_html("error", str(err)), {}
+        widgets, status, bad = self.yaml_changed(text)
+        if not bad:
+            status = status_html("ok", f"loaded {relative}")
+        return text, widgets, status, bad
+
+    def save_recipe(self, relative: str, text: str) -> str:
+        """Save the YAML as shown, after validation, to a .yaml file inside the workspace."""
+        try:
+            path = self.ws.recipe_file(relative or "", must_exist=False)
+            form.recipe_from_yaml(text)
+        except WorkbenchError as err:
+            return status_html("error", f"not saved: {err}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text if text.endswith("\n") else text + "\n")
+        return status_html("ok", f"saved {self.ws.relative(path)}")
+
+    # -- Estimate -------------------------------------------------------------------------------
+
+    @staticmethod
+    def device_choices() -> list[str]:
+        """THIS_MACHINE (the device a run here would use), cpu, then the estimator's presets."""
+        try:
+            from workbench.devices import PRESETS
+        except ImportError:
+            return [THIS_MACHINE, *FALLBACK_DEVICES]
+        return [THIS_MACHINE, "cpu", *PRESETS]
+
+    def estimate(self, text: str, world_size: float, nodes: float, device: str | None,
+                 device_memory_gib: float | None, price: float | None, estimator=None):
+        """(figure, summary html, strategies table) from workbench.memory.estimate."""
+        try:
+            recipe = form.recipe_from_yaml(text)
+            if estimator is None:
+                from workbench.memory import estimate as estimator
+            memory = int(device_memory_gib * GIB) if device_memory_gib else None
+            result = estimator(recipe, world_size=int(world_size or 1), nodes=int(nodes or 1),
+                               device=None if device in (None, "", THIS_MACHINE) else device,
+                               device_memory=memory, price_per_gpu_hour=price or None)
+        except ImportError:
+            message = "the memory estimator (workbench.memory) is not installed in this version"
+            return charts.empty(message), status_html("warn", message), pd.DataFrame()
+        except (WorkbenchError, ValueError) as err:
+            return charts.empty("no estimate: see the message above"), status_html("error", str(err)), pd.DataFrame()
+        data = result.to_json() if hasattr(result, "to_json") else dict(result)
+        capacity = memory or _device_bytes(data)
+        dev = data.get("device") if isinstance(data.get("device"), dict) else {}
+        label = dev.get("name") or device or "device"
+        fig = charts.memory_breakdown(data.get("strategies", []), data.get("recommended"), capacity, label)
+        table = pd.DataFrame([{
+            "strategy": s["name"], "per device (GiB)": round(s.get("per_device_bytes", 0) / GIB, 3),
+            "CPU RAM (GiB)": round((s.get("cpu_bytes") or 0) / GIB, 3), "fits": "yes" if s.get("fits") else "no",
+            **{f"{k} (GiB)": round((v or 0) / GIB, 3) for k, v in (s.get("breakdown") or {}).items()},
+        } for s in data.get("strategies", [])])
+        return fig, status_html("ok" if data.get("recommended") not in (None, "none") else "warn",
+                                "\n".join(_estimate_lines(data, capacity))), table
+
+    # -- Train ----------------------------------------------------------------------------------
+
+    def launch(self, text: str, nproc: float) -> tuple[str | None, str]:
+        """(job name, status html): validate the YAML and start the CLI in a subprocess."""
+        try:
+            recipe = form.recipe_from_yaml(text)
+            job = self.jobs.start(recipe, nproc=1 if nproc is None else int(nproc))
+        except WorkbenchError as err:
+            return None, status_html("error", f"not launched: {err}")
+        return job.name, status_html("info", f"launched {job.name}: workbench {' '.join(job.command)}")
+
+    def stop(self, name: str | None) -> str:
+        if not name:
+            return status_html("warn", "no job selected")
+        return status_html("info", self.jobs.stop(name))
+
+    def resume(self, name: str | None) -> str:
+        if not name:
+            return status_html("warn", "no job selected")
+        try:
+            job = self.jobs.resume(name)
+        except WorkbenchError as err:
+            return status_html("error", f"not resumed: {err}")
+        return status_html("info", f"resumed {job.name}: workbench {' '.join(job.command)}")
+
+    def job_view(self, name: str | None, seen: str | None = None):
+        """(status html, progress html, log tail, loss figure, tokens/s figure, signature) of a job.
+
+        The figures are SKIP when the metrics have not changed since `seen`.
+        """
+        status = self.jobs.status(name) if name else None
+        if status is None:
+            idle = charts.empty("no job yet: launch one") if seen != "none" else form.SKIP
+            return status_html("info", "no job selected"), _progress(0, None), "", idle, idle, "none"
+        signature = f"{name}:{status.state}:{len(status.metrics)}"
+        figures = (form.SKIP, form.SKIP)
+        if signature != seen:
+            series = {name: status.metrics}
+            figures = (charts.curves(series, "loss", "Loss", "loss", eval_key="eval_loss"),
+                       charts.curves(series, "tokens_per_s", "Throughput", "tokens/s"))
+        rows = [r for r in status.metrics if "tokens_per_s" in r]
+        facts = [f"{name}", status.state, f"step {status.steps} / {status.total_steps or '?'}"]
+        if rows:
+            facts.append(f"{rows[-1]['tokens_per_s']:,.0f} tokens/s")
+        if status.summary.get("wall_s") is not None:
+            facts.append(f"wall {status.summary['wall_s']:.1f} s")
+        if status.pid:
+            facts.append(f"pid {status.pid}")
+        if status.state == "failed" and status.summary.get("error"):
+            facts.append(status.summary["error"])
+        kind = {"completed": "ok", "failed": "error", "exited": "error", "interrupted": "warn"}.get(status.state, "info")
+        return (status_html(kind, " · ".join(facts)), _progress(status.steps, status.total_steps),
+                self.jobs.log_tail(name), *figures, signature)
+
+    # -- Compare --------------------------------------------------------------------------------
+
+    def compare_rows(self, names: list[str] | None) -> tuple[list[dict], dict[str, list[dict]]]:
+        runs = [load_run(self.ws.run_dir(n)) for n in names or []]
+        return compare_rows(runs), {r.name: r.metrics for r in runs}
+
+    def compare(self, names: list[str] | None):
+        """(table, memory figure, throughput figure, loss figure, status html) for the chosen runs."""
+        try:
+            rows, series = self.compare_rows(names)
+        except WorkbenchError as err:
+            blank = charts.empty("choose runs")
+            return pd.DataFrame(), blank, blank, blank, status_html("error", str(err))
+        if not rows:
+            blank = charts.empty("choose one or more runs")
+            return pd.DataFrame(columns=list(TABLE_HEADERS.values())), blank, blank, blank, status_html(
+                "info", "choose one or more runs")
+        memory = charts.run_bars(rows, [("peak_memory_mb", "measured"), ("predicted_peak_memory_mb", "predicted")],
+                                 "Peak memory", "MB")
+        speed = charts.run_bars(rows, [("tokens_per_s", "tokens/s")], "Throughput", "tokens/s")
+        losses = charts.curves(series, "loss", "Loss curves", "loss", eval_key="eval_loss")
+        return display_table(rows), memory, speed, losses, status_html("ok", f"{len(rows)} run(s) compared")
+
+    def export_csv(self, names: list[str] | None) -> tuple[str | None, str]:
+        """(path of a CSV under <root>/.workbench-ui/exports, status html) with the plain compare columns."""
+        try:
+            rows, _ = self.compare_rows(names)
+        except WorkbenchError as err:
+            return None, status_html("error", str(err))
+        if not rows:
+            return None, status_html("warn", "choose runs to export")
+        folder = self.ws.ui_dir / "exports"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"compare-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+        pd.DataFrame(rows, columns=COMPARE_COLUMNS).to_csv(path, index=False)
+        return str(path), status_html("ok", f"exported {len(rows)} run(s) to {self.ws.relative(path)}")
+
+    # -- Chat -----------------------------------------------------------------------------------
+
+    def chat(self, name: str | None, prompt: str, max_new_tokens: float = 64) -> tuple[str, str, str]:
+        """(base answer, tuned answer, status html) for the same prompt."""
+        if not name or not (prompt or "").strip():
+            return "", "", status_html("warn", "choose a run and write a prompt")
+        from workbench.export import generate
+
+        try:
+            run_dir = self.ws.run_dir(name)
+            tokens = int(max_new_tokens or 64)
+            base = generate(run_dir, prompt, base=True, max_new_tokens=tokens)
+            tuned = generate(run_dir, prompt, base=False, max_new_tokens=tokens)
+        except (WorkbenchError, OSError, ValueError) as err:  # e.g. a run without an adapter, a missing model
+            return "", "", status_html("error", str(err))
+        return base, tuned, status_html("ok", f"answered with {name}'s base model and its adapter")
+
+
+def display_table(rows: list[dict]) -> pd.DataFrame:
+    """The compare rows with readable headers, units and rounding (MFU in percent)."""
+    frame = pd.DataFrame(rows, columns=COMPARE_COLUMNS)
+    frame["mfu"] = frame["mfu"].map(lambda v: None if v is None or pd.isna(v) else round(100 * v, 2))
+    for col in ("tokens_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "wall_s"):
+        frame[col] = frame[col].map(lambda v: None if v is None or pd.isna(v) else round(float(v), 1))
+    for col in ("final_loss", "eval_loss_first", "eval_loss_final"):
+        frame[col] = frame[col].map(lambda v: None if v is None or pd.isna(v) else round(float(v), 4))
+    return frame.rename(columns=TABLE_HEADERS)
+
+
+def _estimate_lines(data: dict, capacity: float | None) -> list[str]:
+    """The estimate's verdict, model size, throughput/cost and notes, one line each."""
+    lines = [f"Recommended strategy: {data.get('recommended') or 'none'}"]
+    model = data.get("model") or {}
+    if model:
+        lines.append(f"model: {model.get('params', 0) / 1e6:,.1f} M parameters, "
+                     f"{model.get('trainable_params', 0) / 1e6:,.2f} M trainable")
+    dev = data.get("device") if isinstance(data.get("device"), dict) else {}
+    if capacity:
+        count = f"{dev['count']} × " if dev.get("count") else ""
+        lines.append(f"device: {count}{dev.get('name', 'device')} with {capacity / GIB:,.1f} GiB each")
+    t = data.get("throughput") or {}
+    if t.get("tokens_per_s"):
+        line = f"predicted throughput: ~{t['tokens_per_s']:,.0f} tokens/s"
+        if t.get("epoch_hours") is not None:
+            line += f"; one epoch ≈ {_duration(t['epoch_hours'])} ({_duration(t.get('gpu_hours') or 0)} of device time)"
+        if t.get("cost") is not None:
+            line += f", ≈ ${t['cost']:,.2f}" if t["cost"] >= 0.01 else ", < $0.01"
+        lines.append(line)
+    lines += [f"• {note}" for note in data.get("notes") or []]
+    return lines
+
+
+def _duration(hours: float) -> str:
+    seconds = hours * 3600
+    return f"{hours:,.1f} h" if hours >= 1 else f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _device_bytes(data: dict) -> float | None:
+    """The device memory an estimate was made for, wherever the estimate's JSON keeps it."""
+    device = data.get("device")
+    if isinstance(device, dict):
+        for key in ("memory_bytes", "memory", "device_memory_bytes"):
+            if isinstance(device.get(key), (int, float)):
+                return float(device[key])
+    for key in ("device_memory_bytes", "device_memory"):
+        if isinstance(data.get(key), (int, float)):
+            return float(data[key])
+    return None
+
+
+def _progress(done: int, total: int | None) -> str:
+    fraction = min(1.0, done / total) if total else 0.0
+    label = f"{done} / {total} steps" if total else f"{done} steps"
+    return (f'<div class="wb-progress"><div class="wb-progress-bar" style="width:{100 * fraction:.1f}%"></div>'
+            f'<span>{html.escape(label)}</span></div>')

@@ -1,0 +1,275 @@
+"""Training jobs launched from the UI: the CLI in a subprocess, tracked on disk so a reopened page finds them.
+
+A job is `python -m workbench train RECIPE --overwrite --no-progress` (or `launch RECIPE --nproc N`),
+started with an argument list (never a shell) in its own process group, with the workspace root as its
+working directory. Its record lives in <root>/.workbench-ui/jobs/<name>/ (job.json, recipe.yaml,
+train.log) — beside the run directory, not in it, because `--overwrite` clears the run directory.
+Stop sends SIGINT to the process group; Resume starts `train <run>/recipe.yaml --resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import workbench
+from workbench.metrics import read_metrics
+from workbench.runs import write_json_atomic
+
+from workbench.errors import WorkbenchError
+
+from .workspace import PathError, Workspace
+
+
+
+class JobError(WorkbenchError):
+    """A job cannot be started, resumed or found."""
+
+
+_REGISTRIES: dict[Path, "JobRegistry"] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass
+class Job:
+    name: str
+    run_dir: str  # relative to the root
+    command: list[str]
+    pid: int
+    started: float
+    log: str  # relative to the root
+    returncode: int | None = None
+    stop_requested: float | None = None
+    history: list[str] = field(default_factory=list)  # earlier commands of this job (start, resumes)
+
+
+@dataclass
+class JobStatus:
+    name: str
+    state: str  # running | stopping | completed | interrupted | failed | exited
+    steps: int
+    total_steps: int | None
+    pid: int | None
+    returncode: int | None
+    summary: dict
+    metrics: list[dict]
+    run_dir: Path
+    command: list[str]
+
+
+def registry_for(root: str | Path) -> "JobRegistry":
+    """One registry per workspace per server process, shared by every page and every rebuilt app."""
+    workspace = Workspace(root)
+    with _LOCK:
+        if workspace.root not in _REGISTRIES:
+            _REGISTRIES[workspace.root] = JobRegistry(workspace)
+        return _REGISTRIES[workspace.root]
+
+
+class JobRegistry:
+    def __init__(self, workspace: Workspace):
+        self.ws = workspace
+        self.dir = workspace.ui_dir / "jobs"
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    # -- starting -------------------------------------------------------------------------------
+
+    def start(self, recipe, nproc: int = 1) -> Job:
+        """Save the recipe beside the job record and run it through the CLI."""
+        self.ws.check_recipe_paths(recipe)
+        if nproc < 1:
+            raise JobError("processes: must be at least 1")
+        with self._lock:
+            self._refuse_if_running(recipe.name)
+            folder = self._folder(recipe.name)
+            folder.mkdir(parents=True, exist_ok=True)
+            recipe_file = folder / "recipe.yaml"
+            recipe.save(recipe_file)
+            rel = self.ws.relative(recipe_file)
+            command = _command(rel, int(nproc), "--overwrite")
+            run_dir = self.ws.relative(self.ws.resolve(recipe.output.dir.format(name=recipe.name)))
+            return self._spawn(recipe.name, run_dir, command, fresh_log=True)
+
+    def resume(self, name: str) -> Job:
+        """Continue a stopped run from its last complete checkpoint (`train <run>/recipe.yaml --resume`)."""
+        with self._lock:
+            self._refuse_if_running(name)
+            job = self._read(name)
+            if job is None:
+                raise JobError(f"job {name}: unknown (start it first)")
+            recipe = self.ws.resolve(f"{job.run_dir}/recipe.yaml", what="run recipe")
+            if not recipe.is_file():
+                recipe = self._folder(name) / "recipe.yaml"
+            nproc = int(job.command[job.command.index("--nproc") + 1]) if "--nproc" in job.command else 1
+            command = _command(self.ws.relative(recipe), nproc, "--resume")
+            return self._spawn(name, job.run_dir, command, fresh_log=False, earlier=job)
+
+    def _spawn(self, name: str, run_dir: str, command: list[str], fresh_log: bool, earlier: Job | None = None) -> Job:
+        folder = self._folder(name)
+        log_path = folder / "train.log"
+        argv = [sys.executable, "-m", "workbench", *command]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False")
+        package_root = str(Path(workbench.__file__).resolve().parents[1])  # the same workbench as this server
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        with open(log_path, "w" if fresh_log else "a") as log:
+            log.write(f"$ workbench {' '.join(command)}\n")
+            log.flush()
+            proc = subprocess.Popen(argv, cwd=self.ws.root, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._procs[name] = proc
+        history = [*earlier.history, " ".join(earlier.command)] if earlier else []
+        job = Job(name, run_dir, command, proc.pid, time.time(), self.ws.relative(log_path), history=history)
+        self._write(job)
+        return job
+
+    def _refuse_if_running(self, name: str) -> None:
+        job = self._read(name)
+        if job is not None and self._alive(job):
+            raise JobError(f"job {name} is still running: stop it first")
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def stop(self, name: str) -> str:
+        """SIGINT to the job's process group (the trainer checkpoints and exits); SIGTERM if asked twice."""
+        job = self._read(name)
+        if job is None or not self._alive(job):
+            return f"{name} is not running"
+        sig = signal.SIGTERM if job.stop_requested else signal.SIGINT
+        try:
+            os.killpg(job.pid, sig)  # started with start_new_session: the group id is the pid
+        except ProcessLookupError:
+            return f"{name} has already exited"
+        job.stop_requested = time.time()
+        self._write(job)
+        return f"sent {sig.name} to {name} (process group {job.pid}); it saves a checkpoint and stops"
+
+    def wait(self, name: str, timeout: float) -> int | None:
+        """Wait for a job this process started; its return code, or None on timeout."""
+        proc = self._procs.get(name)
+        if proc is None:
+            return None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.status(name)  # records the return code
+        return code
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Known jobs, most recently started first."""
+        if not self.dir.is_dir():
+            return []
+        jobs = [j for j in (self._read(p.name) for p in self.dir.iterdir() if p.is_dir()) if j is not None]
+        return [j.name for j in sorted(jobs, key=lambda j: j.started, reverse=True)]
+
+    def status(self, name: str) -> JobStatus | None:
+        job = self._read(name)
+        if job is None:
+            return None
+        alive = self._alive(job)
+        run_dir = self.ws.resolve(job.run_dir, what="run directory")
+        summary = _read_summary(run_dir)
+        metrics = read_metrics(run_dir / "metrics.jsonl")
+        steps = max((r.get("step", 0) for r in metrics if "loss" in r), default=0)
+        if alive:
+            state = "stopping" if job.stop_requested else "running"
+        else:
+            proc = self._procs.get(name)
+            if proc is not None and job.returncode is None:
+                job.returncode = proc.returncode
+                self._write(job)
+            recorded = summary.get("status")
+            state = recorded if recorded in ("completed", "interrupted", "failed") else "exited"
+        total = summary.get("total_steps") or _recipe_max_steps(run_dir)
+        return JobStatus(name, state, summary.get("steps") or steps, total, job.pid if alive else None,
+                         job.returncode, summary, metrics, run_dir, job.command)
+
+    def log_tail(self, name: str, lines: int = 60) -> str:
+        job = self._read(name)
+        if job is None:
+            return ""
+        path = self.ws.resolve(job.log, what="log")
+        if not path.is_file():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64_000))
+            text = f.read().decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def _folder(self, name: str) -> Path:
+        folder = self.ws.resolve(f"{self.dir.relative_to(self.ws.root)}/{name}", what="job")
+        if folder.parent != self.dir.resolve():
+            raise PathError(f"job: {name} is not a job name")
+        return folder
+
+    def _read(self, name: str) -> Job | None:
+        try:
+            path = self._folder(name) / "job.json"
+        except PathError:
+            return None
+        if not path.is_file():
+            return None
+        try:
+            return Job(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            return None
+
+    def _write(self, job: Job) -> None:
+        write_json_atomic(self._folder(job.name) / "job.json", asdict(job))
+
+    def _alive(self, job: Job) -> bool:
+        proc = self._procs.get(job.name)
+        if proc is not None and proc.pid == job.pid:
+            return proc.poll() is None  # our own child: poll() also reaps it
+        return _pid_runs_workbench(job.pid)  # started by an earlier server process
+
+
+def _command(recipe: str, nproc: int, mode: str) -> list[str]:
+    """The CLI arguments: `train RECIPE MODE --no-progress`, or `launch RECIPE --nproc N MODE` for several."""
+    if nproc == 1:
+        return ["train", recipe, mode, "--no-progress"]
+    return ["launch", recipe, "--nproc", str(nproc), mode]
+
+
+def _pid_runs_workbench(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if cmdline.exists():  # guard against a recycled pid
+        try:
+            return b"workbench" in cmdline.read_bytes()
+        except OSError:
+            return False
+    return True
+
+
+def _read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text()).get("summary", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _recipe_max_steps(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return (data.get("training") or {}).get("max_steps")

@@ -1,0 +1,97 @@
+"""The workspace root: every file the UI reads or writes is resolved here and refused if it lies outside.
+
+Paths come from form fields, dropdowns and recipes, so each one is treated as untrusted:
+it is joined to the root, fully resolved (symlinks followed) and must still be inside the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+UI_DIR = ".workbench-ui"  # the UI's own files (job registry, logs, CSV exports) live here, under the root
+
+
+class PathError(WorkbenchError):
+    """A path that leaves the workspace root, or is not the kind of file asked for."""
+
+    exit_code = 2
+
+
+class Workspace:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser().resolve()
+        if not self.root.is_dir():
+            raise PathError(f"workspace root {self.root} is not a folder")
+
+    def resolve(self, relative: str | Path, *, what: str = "path") -> Path:
+        """`relative` joined to the root and resolved; PathError if it ends up outside the root."""
+        text = str(relative).strip()
+        if not text or "\x00" in text:
+            raise PathError(f"{what}: empty or invalid path")
+        path = (self.root / Path(text).expanduser()).resolve()
+        if not path.is_relative_to(self.root):
+            raise PathError(f"{what}: {text} is outside the workspace {self.root}; refused")
+        return path
+
+    def relative(self, path: Path) -> str:
+        return path.resolve().relative_to(self.root).as_posix()
+
+    def recipe_file(self, relative: str, *, must_exist: bool = True) -> Path:
+        path = self.resolve(relative, what="recipe file")
+        if path.suffix not in RECIPE_SUFFIXES:
+            raise PathError(f"recipe file: {relative} must end in .yaml or .yml")
+        if must_exist and not path.is_file():
+            raise PathError(f"recipe file: {relative} does not exist")
+        return path
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def ui_dir(self) -> Path:
+        return self.root / UI_DIR
+
+    def recipe_choices(self) -> list[str]:
+        """Recipes a user can load: recipes/*.yaml and the resolved recipe of every run."""
+        found = []
+        for pattern in ("recipes/*.yaml", "recipes/*.yml", "runs/*/recipe.yaml"):
+            found += [self.relative(p) for p in sorted(self.root.glob(pattern)) if self._inside(p)]
+        return found
+
+    def run_choices(self, with_adapter: bool = False) -> list[str]:
+        """Run directory names under runs/ (those with a run.json; optionally only finished ones)."""
+        if not self.runs_dir.is_dir():
+            return []
+        names = []
+        for child in sorted(self.runs_dir.iterdir()):
+            if not (child / "run.json").is_file() or not self._inside(child):
+                continue
+            if with_adapter and not ((child / "adapter").is_dir() or (child / "model").is_dir()):
+                continue
+            names.append(child.name)
+        return names
+
+    def run_dir(self, name: str) -> Path:
+        path = self.resolve(f"runs/{name}", what="run")
+        if path.parent != self.runs_dir.resolve() or not (path / "run.json").is_file():
+            raise PathError(f"run: {name} is not a run under {self.runs_dir}")
+        return path
+
+    def check_recipe_paths(self, recipe) -> None:
+        """The files a run will read and write must stay inside the workspace too."""
+        self.resolve(recipe.output.dir.format(name=recipe.name), what="output.dir")
+        self.resolve(recipe.data.train, what="data.train")
+        if recipe.data.eval:
+            self.resolve(recipe.data.eval, what="data.eval")
+        if recipe.distributed.deepspeed.config_file:
+            self.resolve(recipe.distributed.deepspeed.config_file, what="distributed.deepspeed.config_file")
+        model = recipe.model.path
+        if model.startswith((".", "/", "~")) or (self.root / model).exists():
+            self.resolve(model, what="model.path")  # a local folder (builtin: names and hub ids are not files)
+
+    def _inside(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.root)
