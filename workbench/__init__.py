@@ -6,7 +6,9 @@
 """
 
 from .errors import DataError, ModelError, RecipeError, WorkbenchError
+from .evaluation import evaluate
 from .export import generate, merge
+from .memory import Estimate, estimate
 from .recipe import Recipe
 from .runs import Run, list_runs, load_run
 from .train import TrainResult, train
@@ -23,7 +25,7 @@ def compare(runs):
 
 
 __all__ = [
-    "DataError", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
-    "compare", "generate", "list_runs", "load_run", "merge", "train",
+    "DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
+    "compare", "estimate", "evaluate", "generate", "list_runs", "load_run", "merge", "train",
 ]
 __version__ = "0.1.0"

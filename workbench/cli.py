@@ -6,10 +6,11 @@ Exit codes: 0 done, 1 failure, 2 bad input (recipe, flag, data), 130/143 interru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from .errors import WorkbenchError
+from .errors import RecipeError, WorkbenchError
 
 QUICKSTART = Path("recipes/quickstart.yaml")
 
@@ -55,8 +56,54 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    launch = recipe_command("launch", "run a recipe on N processes / M machines through accelerate launch", _launch)
+    launch.add_argument("--nproc", type=int, default=1, help="processes on this machine")
+    launch.add_argument("--nnodes", type=int, default=1, help="machines")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's rank")
+    launch.add_argument("--master", default="127.0.0.1:29500", help="IP:PORT of the rank-0 machine")
+    launch.add_argument("--dry-run", action="store_true", help="print the command and stop")
+    launch.add_argument("--resume", action="store_true")
+    launch.add_argument("--overwrite", action="store_true")
+
     recipe_command("validate", "check a recipe and exit", _validate)
     recipe_command("show", "print the resolved recipe (defaults filled in, overrides applied)", _show)
+
+    est = recipe_command("estimate", "memory per device for every strategy, which fits, and predicted speed", _estimate)
+    est.add_argument("--nproc", "--world-size", dest="world_size", type=int, default=1,
+                     help="devices in all (processes)")
+    est.add_argument("--nnodes", type=int, default=1, help="machines the devices are spread over")
+    est.add_argument("--device", default=None, help="e.g. h100-80gb, a100-40gb, rtx4090, cpu (default: this machine)")
+    est.add_argument("--device-memory", default=None, help="memory of one device, e.g. 24GiB (overrides --device)")
+    est.add_argument("--price-per-gpu-hour", type=float, default=None, help="for a cost estimate")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    ev = sub.add_parser("evaluate", aliases=["eval"], help="score a run's tuned model (and its base) on held-out data")
+    ev.add_argument("run", help="run directory")
+    ev.add_argument("--data", default=None, help="a data file (default: the recipe's eval data)")
+    ev.add_argument("--base", action="store_true", help="score the base model beside the tuned one")
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--limit", type=int, default=None, help="score only the first N rows")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ev.set_defaults(handler=_evaluate)
+
+    mg = sub.add_parser("merge", help="fold a run's adapter into its base: a plain transformers model folder")
+    mg.add_argument("run", help="run directory")
+    mg.add_argument("--out", default=None, help="target folder (default: RUN/merged)")
+    mg.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    mg.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME", help="upload the merged folder")
+    mg.set_defaults(handler=_merge)
+
+    ch = sub.add_parser("chat", help="chat in the terminal with a run's tuned model or any model", add_help=False)
+    ch.add_argument("rest", nargs=argparse.REMAINDER)
+    ch.set_defaults(handler=_chat)
+
+    ui = sub.add_parser("ui", help="the web UI: configure, estimate, launch, watch and compare runs")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
+    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--auth", default=None, metavar="USER:PASS", help="require a login")
+    ui.add_argument("--root", default=".", help="workspace: where recipes/ and runs/ are")
+    ui.set_defaults(handler=_ui)
 
     gen = sub.add_parser("generate", help="answer a prompt with a run's tuned model or any model")
     gen.add_argument("source", help="run directory, model folder, builtin:NAME or hub id")
@@ -87,7 +134,8 @@ def _train(args) -> int:
 
     recipe = _load_recipe(args)
     result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar=not args.no_progress)
-    _print_summary(result.run_dir, result.summary)
+    if os.environ.get("RANK", "0") == "0":  # one summary per run, not one per process
+        _print_summary(result.run_dir, result.summary)
     return 0
 
 
@@ -103,6 +151,20 @@ def _print_summary(run_dir: Path, s: dict) -> None:
         print(f"  prompt: {sample['prompt']}\n    before: {sample['before']}\n    after:  {sample['after']}")
 
 
+def _launch(args) -> int:
+    from .launch import plan_launch, run_launch
+
+    if args.recipe is None:
+        raise WorkbenchError("launch needs a recipe file")
+    train_args = ["--no-progress"] + (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
+    plan = plan_launch(args.recipe, args.overrides, nproc=args.nproc, nnodes=args.nnodes,
+                       node_rank=args.node_rank, master=args.master, train_args=train_args)
+    print(plan.shell(), flush=True)
+    if args.dry_run:
+        return 0
+    return run_launch(plan)
+
+
 def _validate(args) -> int:
     recipe = _load_recipe(args)
     print(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})")
@@ -111,6 +173,64 @@ def _validate(args) -> int:
 
 def _show(args) -> int:
     print(_load_recipe(args).to_yaml(), end="")
+    return 0
+
+
+def _estimate(args) -> int:
+    import json
+
+    from .memory import estimate
+
+    if args.recipe is None:
+        raise WorkbenchError("estimate needs a recipe file")
+    if args.world_size < 1 or args.nnodes < 1 or args.world_size % args.nnodes:
+        raise RecipeError(f"--nproc ({args.world_size}): must be a positive multiple of --nnodes ({args.nnodes})")
+    recipe = _load_recipe(args)
+    try:
+        est = estimate(recipe, world_size=args.world_size, nodes=args.nnodes, device=args.device,
+                       device_memory=args.device_memory, price_per_gpu_hour=args.price_per_gpu_hour)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    print(json.dumps(est.to_json(), indent=2) if args.json else est.to_text())
+    return 0
+
+
+def _evaluate(args) -> int:
+    import json
+
+    from .evaluation import evaluate, format_evaluation
+
+    result = evaluate(args.run, data=args.data, base=args.base, max_new_tokens=args.max_new_tokens,
+                      limit=args.limit, batch_size=args.batch_size)
+    print(json.dumps(result, indent=2) if args.json else format_evaluation(result))
+    return 0
+
+
+def _merge(args) -> int:
+    from .export import merge
+
+    out = merge(args.run, out=args.out, dtype=args.dtype, push_to_hub=args.push_to_hub)
+    print(f"merged model: {out}" + (f" (pushed to {args.push_to_hub})" if args.push_to_hub else ""))
+    return 0
+
+
+def _chat(args) -> int:
+    from .chat import main as chat_main
+
+    return chat_main(args.rest)
+
+
+def _ui(args) -> int:
+    try:
+        from ui.app import launch
+    except ImportError as err:
+        raise WorkbenchError(f"the UI needs its extra: pip install -e \".[ui]\" ({err})") from None
+    try:
+        launch(host=args.host, port=args.port, auth=args.auth, root=args.root)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    except OSError as err:
+        raise WorkbenchError(f"cannot serve on {args.host}:{args.port}: {err}") from None
     return 0
 
 

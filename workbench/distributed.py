@@ -1,13 +1,28 @@
-"""recipe.distributed → one configured Accelerator. Accelerate and PyTorch do the distributed work."""
+"""recipe.distributed → one configured Accelerator. Accelerate, PyTorch and DeepSpeed do the work.
+
+The launch flags never decide the strategy: the recipe does, through the plugin built here. After the
+Accelerator exists, `verify_launch` compares what actually came up (process count, distributed type)
+with what was asked for, because several launch routes fall back silently (see the README).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
-from .errors import RecipeError
+from .errors import RecipeError, WorkbenchError
 from .recipe import Recipe
+
+# distributed types (accelerate's DistributedType names) that each strategy may come up as
+EXPECTED_TYPES = {
+    "single": {"NO"},
+    "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
+    "fsdp": {"FSDP"},
+    "deepspeed": {"DEEPSPEED"},
+}
 
 
 def world_size_from_env() -> int:
@@ -15,21 +30,38 @@ def world_size_from_env() -> int:
 
 
 def resolve_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
-    """(strategy, why). One process always runs `single`; several default to DDP."""
+    """(strategy, why). One process always runs `single`; `auto` asks the memory estimator."""
     requested = recipe.distributed.strategy
     if world_size == 1:
-        if requested not in ("auto", "single", "ddp"):
+        if requested in ("fsdp", "deepspeed"):
             raise RecipeError(
                 f"distributed.strategy: {requested} shards across processes, but this run has one process; "
                 "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
             )
         return "single", "one process"
-    if requested in ("auto", "ddp"):
-        return "ddp", "several processes; a full replica per process"
-    raise RecipeError(f"distributed.strategy: {requested} is not available in this version; use ddp or auto")
+    if requested != "auto":
+        return requested, "set in the recipe"
+    return choose_strategy(recipe, world_size)
 
 
-def build_accelerator(recipe: Recipe, project_dir: str):
+def choose_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
+    """`auto`: DDP when a full replica fits on a device, else shard (the estimator says which)."""
+    try:
+        from .memory import estimate
+    except ImportError:
+        return "ddp", "auto: several processes, a full replica per process"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = estimate(recipe, world_size=world_size, nodes=int(os.environ.get("NUM_NODES", "1") or 1),
+                      device=None if device == "cuda" else "cpu")
+    name = result.recommended
+    if name.startswith("zero") or name.startswith("deepspeed"):
+        return "deepspeed", f"auto: estimator recommends {name}"
+    if name.startswith("fsdp"):
+        return "fsdp", f"auto: estimator recommends {name}"
+    return "ddp", f"auto: estimator recommends {name} (a full replica fits on each device)"
+
+
+def build_accelerator(recipe: Recipe, project_dir: str, strategy: str):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -37,13 +69,129 @@ def build_accelerator(recipe: Recipe, project_dir: str):
     # different precisions needs a fresh one (the process group in PartialState is kept).
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    on_gpu = torch.cuda.is_available()
+    common = dict(mixed_precision=recipe.training.mixed_precision, log_with=list(recipe.output.trackers) or None,
+                  project_dir=project_dir, step_scheduler_with_optimizer=False)
+    if strategy == "single":
+        return Accelerator(**common)
+    if strategy == "ddp":
+        return Accelerator(cpu=not on_gpu, **common)
+    if strategy == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    return Accelerator(
-        mixed_precision=recipe.training.mixed_precision,
-        log_with=list(recipe.output.trackers) or None,
-        project_dir=project_dir,
-        step_scheduler_with_optimizer=False,
+        # On a CPU, DeepSpeed needs gloo named explicitly and must NOT get cpu=True (it would
+        # silently become plain DDP).
+        handlers = [] if on_gpu else [InitProcessGroupKwargs(backend="gloo")]
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe))
+        return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers, **common)
+    if strategy == "fsdp":
+        if not on_gpu:
+            _fsdp_on_cpu()
+        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), **common)
+    raise RecipeError(f"distributed.strategy: unknown strategy {strategy}")
+
+
+def deepspeed_config(recipe: Recipe) -> dict:
+    """The DeepSpeed JSON, generated from the recipe (or the user's file with our batch settings)."""
+    ds = recipe.distributed.deepspeed
+    training = recipe.training
+    if ds.config_file:
+        path = Path(ds.config_file)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise RecipeError(f"distributed.deepspeed.config_file: cannot read {path}: {err}") from None
+    else:
+        zero: dict = {"stage": ds.stage, "overlap_comm": False, "contiguous_gradients": True}
+        if ds.offload_optimizer == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if ds.offload_params == "cpu":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if ds.stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = ds.save_16bit_model
+        config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        config["bf16"] = {"enabled": training.mixed_precision == "bf16"}
+        config["fp16"] = {"enabled": training.mixed_precision == "fp16"}
+        config["gradient_clipping"] = training.max_grad_norm or 0.0
+    # The loop marks accumulation boundaries itself (and normalises the loss over the whole step),
+    # so DeepSpeed must neither count micro-batches nor divide the loss by them.
+    for key, value in (("train_micro_batch_size_per_gpu", training.micro_batch_size),
+                       ("gradient_accumulation_steps", 1)):
+        if config.get(key, "auto") not in ("auto", value):
+            raise RecipeError(f"distributed.deepspeed.config_file: {key} is {config[key]}, but the recipe "
+                              f"needs {value} (set batch sizes in the recipe's training section)")
+        config[key] = value
+    config.pop("train_batch_size", None)
+    return config
+
+
+def fsdp_plugin(recipe: Recipe):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    f = recipe.distributed.fsdp
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=f.reshard_after_forward,
+        cpu_offload=f.cpu_offload,
+        auto_wrap_policy="transformer_based_wrap",
+        state_dict_type="SHARDED_STATE_DICT" if f.state_dict == "sharded" else "FULL_STATE_DICT",
+        activation_checkpointing=f.activation_checkpointing,
+        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
     )
+
+
+def _fsdp_on_cpu() -> None:
+    """Let Accelerate drive FSDP2 over gloo on a CPU.
+
+    Accelerate only chooses FSDP on an accelerator-type distributed setup and refuses it on a CPU
+    (with cpu=True it silently becomes DDP). PyTorch's FSDP2 itself runs on a CPU device mesh over
+    gloo, so: open the process group on gloo first, then label Accelerate's shared state as a
+    multi-device run whose device is the CPU. This touches Accelerate's private state and nothing
+    else; tests/test_distributed.py checks that the parameters really end up sharded.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="gloo")
+    state = PartialState()
+    if state.distributed_type != DistributedType.MULTI_GPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+        state.backend = "gloo"
+        state.num_processes = torch.distributed.get_world_size()
+        state.process_index = torch.distributed.get_rank()
+        state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+        state.device = torch.device("cpu")
+
+
+def verify_launch(accelerator, strategy: str) -> None:
+    """Fail loudly when the processes that came up are not the run that was asked for."""
+    expected_world = world_size_from_env()
+    if accelerator.num_processes != expected_world:
+        raise WorkbenchError(
+            f"the launcher started {expected_world} processes but they do not form one run "
+            f"(accelerate sees {accelerator.num_processes}); launch with `workbench launch`"
+        )
+    got = str(accelerator.distributed_type).split(".")[-1]
+    if got not in EXPECTED_TYPES[strategy]:
+        raise WorkbenchError(
+            f"distributed.strategy is {strategy}, but accelerate came up as {got}: a silent fallback; "
+            "launch with `workbench launch`, which picks a route that works on this machine"
+        )
+
+
+def local_parameter_elements(model) -> int:
+    """Parameter elements this rank actually holds (shards under FSDP2 and ZeRO-3)."""
+    total = 0
+    for param in model.parameters():
+        if hasattr(param, "to_local"):  # FSDP2 DTensor shard
+            total += param.to_local().numel()
+        elif hasattr(param, "ds_tensor"):  # ZeRO-3 partition
+            total += param.ds_tensor.numel()
+        else:
+            total += param.numel()
+    return total
 
 
 def configure_threads(requested: int | None) -> int:

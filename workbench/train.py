@@ -17,9 +17,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .data import IGNORE, Collator, EpochSampler, prepare_data
-from .distributed import build_accelerator, configure_threads, resolve_strategy, world_size_from_env
+from .distributed import (build_accelerator, configure_threads, local_parameter_elements, resolve_strategy,
+                          verify_launch, world_size_from_env)
 from .errors import WorkbenchError
 from .export import generate_text
+from .launch import check_launcher_agrees
+from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
@@ -59,8 +62,10 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     quiet_libraries()
     run = RunDir(recipe.run_dir)
     strategy, why = resolve_strategy(recipe, world_size_from_env())
+    check_launcher_agrees(strategy)
     threads = configure_threads(recipe.training.threads)
-    accelerator = build_accelerator(recipe, str(run.path))
+    accelerator = build_accelerator(recipe, str(run.path), strategy)
+    verify_launch(accelerator, strategy)
     main = accelerator.is_main_process
     if main:
         run.prepare(resume=resume, overwrite=overwrite)
@@ -132,7 +137,11 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()))
 
     summary = {"status": "running", "world_size": accelerator.num_processes, "total_steps": total_steps,
-               "params": total_params, "trainable_params": trainable_params, **data.stats}
+               "params": total_params, "trainable_params": trainable_params, **data.stats,
+               # what the estimator said beforehand, kept beside what the run measures
+               **prediction_for_run(recipe, strategy, accelerator.num_processes, accelerator.device.type)}
+    if main:  # early, so a watcher (CLI, UI) can show "step i / total" while the run is going
+        run.update_json(summary=summary)
     samples = _sample_generations(recipe, model, tokenizer, accelerator) if state.step == 0 else None
     eval_first = evaluate(model, eval_loader, accelerator) if eval_loader is not None and state.step == 0 else None
     if eval_first is not None and main:
@@ -155,6 +164,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
+                # DeepSpeed reads the boundary from here; DDP and FSDP skip the all-reduce via no_sync.
+                accelerator.gradient_state._set_sync_gradients(last)
                 with nullcontext() if last else accelerator.no_sync(model), offload():
                     loss_sum = causal_lm_loss_sum(model, batch)
                     # Normalise over every target token of the step on every rank; DDP averages
@@ -220,6 +231,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         samples = [{"prompt": p, "before": b, "after": a} for (p, b), (_, a) in zip(samples, after)]
 
     peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)[0]], device=accelerator.device))
+    held = accelerator.gather(torch.tensor([local_parameter_elements(model)], device=accelerator.device))
     compute_dtype = "bfloat16" if recipe.training.mixed_precision == "bf16" else recipe.model.dtype
     device_peak, peak_source = peak_flops(accelerator.device.type, compute_dtype, torch.get_num_threads())
     world = accelerator.num_processes
@@ -233,6 +245,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "peak_memory_kind": peak_memory_mb(accelerator.device)[1],
         "mfu": round(state.flops / max(train_s, 1e-9) / device_peak, 5), "peak_flops": device_peak,
         "peak_flops_source": peak_source, "final_loss": last_loss,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
         "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
     })
     if samples is not None:
@@ -300,7 +314,9 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
 def save_checkpoint(accelerator, run: RunDir, step: int, keep_last: int) -> None:
     """Full training state, staged under a temporary name and renamed into place when complete."""
     staging = run.staging_checkpoint(step)
-    accelerator.save_state(str(staging), safe_serialization=True)
+    # DeepSpeed writes its own engine checkpoint: keep the frozen base weights out of it too.
+    extra = {"exclude_frozen_parameters": True} if str(accelerator.distributed_type).endswith("DEEPSPEED") else {}
+    accelerator.save_state(str(staging), safe_serialization=True, **extra)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json_atomic(staging / "workbench_checkpoint.json", {"step": step})
@@ -328,9 +344,17 @@ def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str
             for p in prompts]
 
 
+def _checksums(model, accelerator) -> list[float]:
+    """A fingerprint of the trainable weights each rank holds (replicas must agree exactly)."""
+    local = sum(float(p.detach().double().sum()) + float(p.detach().double().abs().sum())
+                for p in model.parameters() if p.requires_grad and p.numel())
+    return [float(x) for x in accelerator.gather(torch.tensor([local], dtype=torch.float64,
+                                                              device=accelerator.device))]
+
+
 def _only_trainable_weights(models, weights, output_dir) -> None:
     """Checkpoints keep what training changes (adapter weights), not the frozen base model."""
-    for i, model in enumerate(models):
+    for i, model in enumerate(models[: len(weights)]):  # FSDP and DeepSpeed save through their own engines
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
 

@@ -1,0 +1,88 @@
+"""Adapter methods and memory savers side by side: peak memory and tokens/s as ratios to plain LoRA.
+
+    python bench/methods.py                         # SmolLM2-135M, bf16, CPU (about 6 minutes)
+    python bench/methods.py --model builtin:tiny --steps 3 --only lora,qlora   # a quick smoke run
+
+Each configuration trains in its own process (peak RSS is a per-process high-water mark) on the same
+recipe, data and number of steps; the figures come from each run's run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIGS = {
+    "lora": [],
+    "lora+checkpointing": ["training.gradient_checkpointing=true"],
+    "lora+adamw_8bit": ["training.optimizer=adamw_8bit"],
+    "rslora": ["adapter.rslora=true"],
+    "dora": ["adapter.method=dora"],
+    "qlora-nf4": ["adapter.method=qlora", "quantization.bits=4"],
+    "qlora-int8": ["adapter.method=qlora", "quantization.bits=8"],
+    "full": ["adapter.method=full", "training.lr=1e-5"],
+    "full+adamw_8bit": ["adapter.method=full", "training.lr=1e-5", "training.optimizer=adamw_8bit"],
+}
+
+
+def run_config(name: str, overrides: list[str], args, out: Path) -> dict:
+    command = [sys.executable, "-m", "workbench", "train", str(ROOT / "recipes/quickstart.yaml"), "--no-progress",
+               f"name={name.replace('+', '-')}", f"output.dir={out}/{{name}}", f"model.path={args.model}",
+               f"training.max_steps={args.steps}", "training.epochs=100", "output.save_every=null",
+               "output.eval_every=null", "output.sample_prompts=[]", f"training.micro_batch_size={args.batch}",
+               f"data.max_seq_len={args.seq}", f"training.threads={args.threads}", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ})
+    if done.returncode != 0:
+        return {"name": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    summary = json.loads((out / name.replace("+", "-") / "run.json").read_text())["summary"]
+    return {"name": name, "peak_memory_mb": summary["peak_memory_mb"], "tokens_per_s": summary["tokens_per_s"],
+            "trainable_params": summary["trainable_params"], "final_loss": summary["final_loss"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:smollm2-135m")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", help="comma-separated configuration names (default: all)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for name in names:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows.append(run_config(name, CONFIGS[name], args, Path(tmp)))
+
+    base = next((r for r in rows if r["name"] == "lora" and "error" not in r), None)
+    print(f"\n{args.model}, {args.steps} steps x {args.batch} x {args.seq} tokens, bf16, {args.threads} threads")
+    print(f"{'configuration':20} {'trainable':>12} {'peak MB':>9} {'x lora':>7} {'tokens/s':>9} {'x lora':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:20} failed: {r['error']}")
+            continue
+        mem = f"{r['peak_memory_mb'] / base['peak_memory_mb']:.2f}" if base else "-"
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        print(f"{r['name']:20} {r['trainable_params']:>12,} {r['peak_memory_mb']:>9.0f} {mem:>7} "
+              f"{r['tokens_per_s']:>9.0f} {speed:>7}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if any("error" in r for r in rows):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

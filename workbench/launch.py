@@ -1,0 +1,87 @@
+"""`workbench launch`: build, print and run the `accelerate launch` command for a recipe.
+
+The command starts N processes per machine with torchrun (through `accelerate launch --multi_gpu`);
+each process runs `workbench train`, which builds the strategy's plugin from the recipe. That route
+works on GPUs and on CPUs (gloo) alike; routes such as `accelerate launch --cpu` silently start one
+process, which `workbench train` would then detect and refuse.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import RecipeError, WorkbenchError
+
+
+@dataclass
+class LaunchPlan:
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    run_dir: Path | None = None
+
+    def shell(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (prefix + " " if prefix else "") + shlex.join(self.command)
+
+
+def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, nproc: int = 1, nnodes: int = 1,
+                node_rank: int = 0, master: str = "127.0.0.1:29500", train_args: list[str] | None = None) -> LaunchPlan:
+    from .recipe import Recipe
+
+    if nproc < 1 or nnodes < 1:
+        raise RecipeError("--nproc and --nnodes: must be at least 1")
+    if not 0 <= node_rank < nnodes:
+        raise RecipeError(f"--node-rank: must be between 0 and {nnodes - 1}, got {node_rank}")
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise RecipeError(f"--master: expected IP:PORT, got {master!r}")
+    recipe = Recipe.load(recipe_path, overrides or [])  # fail here, before any process starts
+    train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]
+    world = nproc * nnodes
+    if world == 1:
+        return LaunchPlan([sys.executable, *train], {}, recipe.run_dir)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
+               "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", host,
+               "--main_process_port", port, "--mixed_precision", recipe.training.mixed_precision,
+               "--dynamo_backend", "no"]
+    if nnodes > 1:
+        command += ["--rdzv_backend", "static", "--same_network"]
+    env = {"NUM_NODES": str(nnodes)}
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, (os.cpu_count() or 1) // nproc))
+    return LaunchPlan(command + train, env, recipe.run_dir)
+
+
+def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
+    """Run the plan in the foreground; Ctrl-C reaches every rank through the process group."""
+    env = {**os.environ, **plan.env}
+    process = subprocess.Popen(plan.command, env=env)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise WorkbenchError(f"the launch did not finish within {timeout} s") from None
+    except KeyboardInterrupt:
+        process.wait()
+        raise
+
+
+def check_launcher_agrees(strategy: str) -> None:
+    """An accelerate config (or flags) asking for another strategy than the recipe is an error."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    wants = {"fsdp": os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+             "deepspeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"}
+    for name, asked in wants.items():
+        if asked and strategy != name:
+            raise RecipeError(
+                f"distributed.strategy: the recipe runs {strategy}, but the accelerate launch configuration "
+                f"asks for {name}; remove {name} from the accelerate config (the recipe decides the strategy)"
+            )
