@@ -33,11 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except WorkbenchError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _rank_prefix() -> str:
+    """Under a multi-process launch every rank reports its own failure, and says which rank it is."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f"[rank {os.environ.get('RANK', '?')}/{world}] " if world > 1 else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +142,17 @@ def _train(args) -> int:
     result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar=not args.no_progress)
     if os.environ.get("RANK", "0") == "0":  # one summary per run, not one per process
         _print_summary(result.run_dir, result.summary)
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Ranks leave together: a rank exiting while another still talks to it can hang the shutdown."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _print_summary(run_dir: Path, s: dict) -> None:

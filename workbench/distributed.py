@@ -25,8 +25,30 @@ EXPECTED_TYPES = {
 }
 
 
+# where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    for name in WORLD_SIZE_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def check_process_count() -> None:
+    """Refuse the silent fallback of `accelerate launch --num_processes N` to ONE process.
+
+    Its simple launcher (chosen with --cpu, or without --multi_gpu on a machine with no GPUs) sets
+    MASTER_ADDR for a multi-process launch and then starts a single process with no world size.
+    """
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    if launched_by_accelerate and "MASTER_ADDR" in os.environ and world_size_from_env() == 1:
+        raise WorkbenchError(
+            "accelerate launch was asked for several processes but started one (it does so with --cpu, or "
+            "without --multi_gpu when no GPU is visible); use `workbench launch RECIPE --nproc N`, or add "
+            "--multi_gpu to accelerate launch"
+        )
 
 
 def resolve_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
@@ -87,7 +109,7 @@ def build_accelerator(recipe: Recipe, project_dir: str, strategy: str):
     if strategy == "fsdp":
         if not on_gpu:
             _fsdp_on_cpu()
-        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), **common)
+        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), parallelism_config=hybrid_shard_config(recipe), **common)
     raise RecipeError(f"distributed.strategy: unknown strategy {strategy}")
 
 
@@ -141,6 +163,23 @@ def fsdp_plugin(recipe: Recipe):
     )
 
 
+def hybrid_shard_config(recipe: Recipe):
+    """FSDP2 hybrid shard (HSDP): shard within a machine, replicate across machines. None: full shard."""
+    if recipe.distributed.fsdp.sharding != "hybrid":
+        return None
+    from accelerate import ParallelismConfig
+
+    world = world_size_from_env()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = world // per_node
+    if nodes == 1 or per_node == 1:
+        raise RecipeError(
+            f"distributed.fsdp.sharding: hybrid needs several machines with several processes each "
+            f"(this launch: {nodes} machine(s) x {per_node} process(es)); use sharding: full"
+        )
+    return ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=per_node)
+
+
 def _fsdp_on_cpu() -> None:
     """Let Accelerate drive FSDP2 over gloo on a CPU.
 
@@ -167,6 +206,7 @@ def _fsdp_on_cpu() -> None:
 
 def verify_launch(accelerator, strategy: str) -> None:
     """Fail loudly when the processes that came up are not the run that was asked for."""
+    check_process_count()
     expected_world = world_size_from_env()
     if accelerator.num_processes != expected_world:
         raise WorkbenchError(

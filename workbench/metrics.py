@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .models import full_numel
+
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
 GPU_PEAK_FLOPS = {
     "H200": 989e12,
@@ -42,9 +44,9 @@ def matmul_flops(model) -> int:
         if isinstance(module, torch.nn.Embedding) or hasattr(module, "base_layer"):
             continue
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__:
-            quant_state = getattr(weight, "quant_state", None)
-            total += int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel()
+        shape = getattr(weight, "ds_shape", getattr(weight, "shape", ()))  # ZeRO-3 keeps the full shape aside
+        if isinstance(weight, torch.Tensor) and len(shape) == 2 and "Linear" in type(module).__name__:
+            total += full_numel(weight)
     return total
 
 
@@ -59,7 +61,8 @@ class FlopCounter:
 
     def __init__(self, model, config):
         self.weights = matmul_flops(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dim() == 2)
+        trainable = sum(full_numel(p) for p in model.parameters()
+                        if p.requires_grad and len(getattr(p, "ds_shape", p.shape)) == 2)
         self.trainable = min(trainable, self.weights)
         layers = getattr(config, "num_hidden_layers", 0)
         heads = getattr(config, "num_attention_heads", 0) or 1

@@ -143,12 +143,20 @@ def attach_adapter(model, recipe: Recipe):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts; 4-bit packed weights are counted as the values they hold."""
+    """(total, trainable) parameter counts of the whole model, whatever this process holds of it."""
     total = trainable = 0
     for param in model.parameters():
-        quant_state = getattr(param, "quant_state", None)  # 4-bit weights store packed values
-        n = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else param.numel()
+        n = full_numel(param)
         total += n
         if param.requires_grad:
             trainable += n
     return total, trainable
+
+
+def full_numel(param) -> int:
+    """Values a parameter stands for: 4-bit weights store packed values, and ZeRO-3 loads
+    parameters already partitioned (an empty local tensor with the full size in ds_numel)."""
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None:
+        return int(torch.Size(quant_state.shape).numel())
+    return int(getattr(param, "ds_numel", param.numel()))

@@ -67,6 +67,9 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     accelerator = build_accelerator(recipe, str(run.path), strategy)
     verify_launch(accelerator, strategy)
     main = accelerator.is_main_process
+    if accelerator.num_processes > 1:
+        accelerator.print(f"strategy: {strategy} ({why}), {accelerator.num_processes} processes, "
+                          f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
     if main:
         run.prepare(resume=resume, overwrite=overwrite)
     accelerator.wait_for_everyone()
@@ -128,7 +131,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
     metrics = MetricsWriter(run.metrics, enabled=main)
     if resume and (latest := run.latest_checkpoint()) is not None:
-        accelerator.load_state(str(latest[1]), strict=False)  # checkpoints hold trainable weights only
+        # checkpoints hold trainable weights only; DeepSpeed names the same option its own way
+        deepspeed = str(accelerator.distributed_type).endswith("DEEPSPEED")
+        accelerator.load_state(str(latest[1]), **({"load_module_strict": False} if deepspeed else {"strict": False}))
         metrics.truncate_after(state.step)
         accelerator.print(f"resumed from {latest[1]} at step {state.step}")
     elif main:

@@ -1,0 +1,151 @@
+"""Launch planning and the checks that refuse a run which is not what the recipe asked for (no processes)."""
+
+import shlex
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from workbench import Recipe, RecipeError, WorkbenchError
+from workbench.cli import main
+from workbench.distributed import (check_process_count, deepspeed_config, hybrid_shard_config, resolve_strategy,
+                                   verify_launch, world_size_from_env)
+from workbench.launch import check_launcher_agrees, plan_launch
+
+RECIPE = "recipes/tiny.yaml"
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PMI_SIZE",
+                    "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_MIXED_PRECISION",
+                    "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+
+
+@pytest.fixture(autouse=True)
+def clean_launch_env(monkeypatch):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_one_process_runs_train_directly():
+    plan = plan_launch(RECIPE, ["training.lr=1e-3"], nproc=1, train_args=["--overwrite"])
+    assert plan.command == [sys.executable, "-m", "workbench", "train", RECIPE, "training.lr=1e-3", "--overwrite"]
+
+
+def test_several_processes_go_through_accelerate_launch_multi_gpu():
+    plan = plan_launch(RECIPE, ["distributed.strategy=fsdp"], nproc=4, master="10.0.0.1:29400")
+    cmd = plan.command
+    assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--multi_gpu"]  # a route that really starts N ranks
+    assert "--cpu" not in cmd  # --cpu silently starts ONE process
+    flags = dict(zip(cmd[3::], cmd[4::]))
+    assert flags["--num_processes"] == "4" and flags["--main_process_ip"] == "10.0.0.1"
+    assert flags["--main_process_port"] == "29400" and flags["--mixed_precision"] == "no"
+    assert cmd[-5:] == ["-m", "workbench", "train", RECIPE, "distributed.strategy=fsdp"]
+    assert shlex.split(plan.shell().split(" ", 2)[-1])[0] == sys.executable
+
+
+def test_multi_node_plan_counts_every_process_and_uses_a_static_rendezvous():
+    plan = plan_launch(RECIPE, [], nproc=8, nnodes=4, node_rank=2, master="10.0.0.1:29400")
+    flags = dict(zip(plan.command[3::], plan.command[4::]))
+    assert (flags["--num_processes"], flags["--num_machines"], flags["--machine_rank"]) == ("32", "4", "2")
+    assert flags["--rdzv_backend"] == "static" and plan.env["NUM_NODES"] == "4"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"nproc": 0}, "--nproc"), ({"nnodes": 2, "node_rank": 2}, "--node-rank"), ({"master": "nohost"}, "--master"),
+])
+def test_bad_launch_flags_name_the_flag(kwargs, field):
+    with pytest.raises(RecipeError, match=field):
+        plan_launch(RECIPE, [], **kwargs)
+
+
+def test_bad_recipe_fails_before_any_process_starts(capsys):
+    assert main(["launch", RECIPE, "--nproc", "2", "--dry-run", "training.lrr=1"]) == 2
+    assert "training.lrr" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_command(capsys):
+    assert main(["launch", RECIPE, "--nproc", "2", "--dry-run", "distributed.strategy=ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "accelerate.commands.launch --multi_gpu --num_processes 2" in out and "OMP_NUM_THREADS=" in out
+
+
+def test_one_process_cannot_shard():
+    recipe = Recipe.load(RECIPE).override("distributed.strategy=fsdp")
+    with pytest.raises(RecipeError, match="distributed.strategy: fsdp shards across processes"):
+        resolve_strategy(recipe, 1)
+    assert resolve_strategy(Recipe.load(RECIPE), 1) == ("single", "one process")
+
+
+def test_auto_asks_the_estimator_and_says_why():
+    strategy, why = resolve_strategy(Recipe.load(RECIPE), 2)
+    assert strategy == "ddp" and why.startswith("auto: estimator recommends")  # a tiny replica fits anywhere
+
+
+def test_an_accelerate_config_that_contradicts_the_recipe_is_refused(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="the recipe runs ddp, but the accelerate launch configuration asks for fsdp"):
+        check_launcher_agrees("ddp")
+    check_launcher_agrees("fsdp")
+
+
+def test_one_process_from_a_multi_process_accelerate_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    check_process_count()  # accelerate launch with one process: fine
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set only when more than one process was asked for
+    with pytest.raises(WorkbenchError, match="asked for several processes but started one"):
+        check_process_count()
+    monkeypatch.setenv("PMI_SIZE", "2")  # an MPI launch carries its world size in its own variable
+    assert world_size_from_env() == 2
+    check_process_count()
+
+
+@pytest.mark.parametrize("strategy, came_up, ok", [
+    ("ddp", "DistributedType.MULTI_CPU", True), ("fsdp", "DistributedType.FSDP", True),
+    ("fsdp", "DistributedType.MULTI_CPU", False), ("deepspeed", "DistributedType.MULTI_GPU", False),
+    ("deepspeed", "DistributedType.DEEPSPEED", True),
+])
+def test_a_silent_fallback_to_another_distributed_type_is_refused(monkeypatch, strategy, came_up, ok):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    accelerator = SimpleNamespace(num_processes=2, distributed_type=came_up)
+    if ok:
+        verify_launch(accelerator, strategy)
+    else:
+        with pytest.raises(WorkbenchError, match="a silent fallback"):
+            verify_launch(accelerator, strategy)
+
+
+def test_ranks_that_do_not_form_one_run_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two processes started, each alone
+    with pytest.raises(WorkbenchError, match="do not form one run"):
+        verify_launch(SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO"), "ddp")
+
+
+def test_deepspeed_config_comes_from_the_recipe():
+    recipe = Recipe.load(RECIPE).override(
+        "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3", "distributed.deepspeed.offload_params=cpu",
+        "training.micro_batch_size=3", "training.max_grad_norm=0.5", "training.mixed_precision=bf16")
+    config = deepspeed_config(recipe)
+    assert config["zero_optimization"]["stage"] == 3 and config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 1
+    assert config["bf16"]["enabled"] and config["gradient_clipping"] == 0.5
+
+
+def test_a_user_deepspeed_file_must_agree_with_the_recipe_batch(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 16}')
+    recipe = Recipe.load(RECIPE).override(f"distributed.deepspeed.config_file={path}")
+    with pytest.raises(RecipeError, match="train_micro_batch_size_per_gpu is 16, but the recipe needs 4"):
+        deepspeed_config(recipe)
+    path.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}')
+    assert deepspeed_config(recipe)["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_hybrid_shard_needs_several_machines_of_several_processes(monkeypatch):
+    recipe = Recipe.load(RECIPE).override("distributed.fsdp.sharding=hybrid")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config = hybrid_shard_config(recipe)
+    assert (config.dp_replicate_size, config.dp_shard_size) == (2, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(RecipeError, match="distributed.fsdp.sharding: hybrid needs several machines"):
+        hybrid_shard_config(recipe)
+    assert hybrid_shard_config(Recipe.load(RECIPE)) is None
