@@ -10,7 +10,7 @@ from workbench import Recipe, RecipeError, WorkbenchError
 from workbench.cli import main
 from workbench.distributed import (check_process_count, deepspeed_config, hybrid_shard_config, resolve_strategy,
                                    verify_launch, world_size_from_env)
-from workbench.launch import check_launcher_agrees, plan_launch
+from workbench.launcher import check_launcher_agrees, plan_launch
 
 RECIPE = "recipes/tiny.yaml"
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PMI_SIZE",

@@ -14,7 +14,8 @@ import yaml
 
 pytest.importorskip("gradio")
 
-from ui import charts, form  # noqa: E402
+from ui import form  # noqa: E402
+from workbench import charts  # noqa: E402
 from ui.handlers import TABLE_HEADERS, Handlers, display_table  # noqa: E402
 from ui.jobs import JobRegistry  # noqa: E402
 from ui.workspace import PathError, Workspace  # noqa: E402

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from workbench import charts
 from workbench.errors import WorkbenchError
 from workbench.runs import COMPARE_COLUMNS, compare_rows, load_run
 
-from . import charts, form
+from . import form
 from .jobs import registry_for
 from .workspace import Workspace
 
@@ -217,10 +218,7 @@ class Handlers:
             blank = charts.empty("choose one or more runs")
             return pd.DataFrame(columns=list(TABLE_HEADERS.values())), blank, blank, blank, status_html(
                 "info", "choose one or more runs")
-        memory = charts.run_bars(rows, [("peak_memory_mb", "measured"), ("predicted_peak_memory_mb", "predicted")],
-                                 "Peak memory", "MB")
-        speed = charts.run_bars(rows, [("tokens_per_s", "tokens/s")], "Throughput", "tokens/s")
-        losses = charts.curves(series, "loss", "Loss curves", "loss", eval_key="eval_loss")
+        memory, speed, losses = charts.compare_axes(rows, series)  # the figures of workbench.plot_compare
         return display_table(rows), memory, speed, losses, status_html("ok", f"{len(rows)} run(s) compared")
 
     def export_csv(self, names: list[str] | None) -> tuple[str | None, str]:

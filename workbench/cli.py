@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import RecipeError, WorkbenchError
+from .errors import Interrupted, RecipeError, WorkbenchError
 
 QUICKSTART = Path("recipes/quickstart.yaml")
 
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args) or 0
+    except Interrupted as err:
+        print(f"{_rank_prefix()}{err}", file=sys.stderr)
+        return err.exit_code
     except WorkbenchError as err:
         print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
         return err.exit_code
@@ -71,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--resume", action="store_true")
     launch.add_argument("--overwrite", action="store_true")
 
-    recipe_command("validate", "check a recipe and exit", _validate)
+    validate = recipe_command("validate", "check a recipe and exit", _validate)
+    validate.add_argument("--preflight", action="store_true",
+                          help="also check data files, the output folder, free disk, the tokenizer and context length")
     recipe_command("show", "print the resolved recipe (defaults filled in, overrides applied)", _show)
 
     est = recipe_command("estimate", "memory per device for every strategy, which fits, and predicted speed", _estimate)
@@ -168,7 +173,7 @@ def _print_summary(run_dir: Path, s: dict) -> None:
 
 
 def _launch(args) -> int:
-    from .launch import plan_launch, run_launch
+    from .launcher import plan_launch, run_launch
 
     if args.recipe is None:
         raise WorkbenchError("launch needs a recipe file")
@@ -183,6 +188,12 @@ def _launch(args) -> int:
 
 def _validate(args) -> int:
     recipe = _load_recipe(args)
+    if args.preflight:
+        from .models import load_config, load_tokenizer
+        from .preflight import preflight
+
+        for warning in preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model)):
+            print(f"warning: {warning}")
     print(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})")
     return 0
 

@@ -43,6 +43,11 @@ def check_recipe(recipe: "Recipe") -> None:
             "distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on; "
             "use one of the two"
         )
+    if training.on_nonfinite == "skip" and dist.strategy == "deepspeed":
+        raise ValueError(
+            "training.on_nonfinite: skip is not possible under DeepSpeed, whose engine applies the update inside "
+            "backward; use on_nonfinite: stop (the last good checkpoint is kept) or strategy fsdp/ddp"
+        )
     shards = dist.strategy == "fsdp" or (dist.strategy == "deepspeed" and dist.deepspeed.stage == 3)
     if quantized and shards:
         q = recipe.quantization

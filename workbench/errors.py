@@ -21,3 +21,15 @@ class ModelError(WorkbenchError):
     """A model or tokenizer cannot be found or loaded."""
 
     exit_code = 2
+
+
+class NonFiniteError(WorkbenchError):
+    """The loss or the gradients became NaN or infinite."""
+
+
+class Interrupted(WorkbenchError):
+    """SIGINT or SIGTERM stopped the run after saving a checkpoint: 130 (SIGINT) or 143 (SIGTERM)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -50,6 +50,25 @@ class Estimate:
                  "fits": s["fits"], **s["breakdown"]} for s in self.strategies]
         return pd.DataFrame(rows).set_index("strategy")
 
+    def plot(self):
+        """Stacked memory per device of each strategy against the device's memory: a matplotlib Figure."""
+        from .charts import memory_breakdown
+
+        d = self.device
+        return memory_breakdown(self.strategies, self.recommended, d["memory_bytes"], f"{d['name']} memory")
+
+    def _repr_html_(self) -> str:
+        import html
+
+        frame = self.to_dataframe()
+        gib = frame.drop(columns=["fits"]).map(lambda v: f"{v / 2**30:.2f} GiB")
+        gib.insert(1, "fits", frame["fits"].map({True: "yes", False: "no"}))
+        d, t = self.device, self.throughput
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (f"<div><b>{html.escape(self.model['name'])}</b> on {d['count']} × {html.escape(d['name'])}: "
+                f"recommended <b>{html.escape(self.recommended)}</b>, ~{t['tokens_per_s']:,.0f} tokens/s"
+                f"{gib.to_html()}<ul>{notes}</ul></div>")
+
     def to_text(self, width: int = 120) -> str:
         from rich.console import Console
         from rich.table import Table

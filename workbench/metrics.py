@@ -88,8 +88,11 @@ def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, 
 
 def _matmul_probe(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
     device = torch.device(device_type)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # its own generator: the probe may run mid-training (or right after a resume restored the RNG)
+    # and must not move the global RNG that dropout draws from
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     torch.matmul(a, b)  # warm up kernels and caches
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -116,8 +119,7 @@ class MetricsWriter:
         """On resume: drop rows the interrupted run wrote after the checkpoint it resumes from."""
         if not (self.enabled and self.path.exists()):
             return
-        keep = [line for line in self.path.read_text().splitlines() if line.strip()
-                and json.loads(line).get("step", 0) <= step]
+        keep = [json.dumps(row) for row in read_metrics(self.path) if row.get("step", 0) <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)

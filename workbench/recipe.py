@@ -8,6 +8,7 @@ for the CLI, the Python API and the UI alike.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,10 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import RecipeError
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
+_SHORT = reprlib.Repr()  # for values quoted in messages
+_SHORT.maxstring = _SHORT.maxother = 80
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr: .inf
 
 
 class ModelSection(Section):
@@ -88,6 +91,9 @@ class TrainingSection(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field("adamw", description="optimizer.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping norm (null: no clipping).")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a NaN/Inf loss or gradient: stop the run (keeping the last good checkpoint), or skip "
+                            "that step's update and go on.")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
     activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
     mixed_precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="autocast precision.")
@@ -177,15 +183,26 @@ class Recipe(Section):
         """Read a YAML recipe and apply `key=value` overrides (or a {dotted.key: value} dict)."""
         path = Path(path)
         try:
-            text = path.read_text()
-        except OSError as err:
-            raise RecipeError(f"{path}: cannot read recipe ({err.strerror})") from None
+            raw = path.read_bytes()
+        except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+            raise RecipeError(f"{path}: cannot read recipe ({getattr(err, 'strerror', None) or err})") from None
         try:
-            data = yaml.safe_load(text) or {}
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise RecipeError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
+            raise RecipeError(f"{where}: invalid YAML ({getattr(err, 'problem', None) or _first_line(err)})") from None
+        except RecursionError:
+            raise RecipeError(f"{path}: invalid YAML (nested too deeply)") from None
+        except Exception as err:  # PyYAML's constructors raise bare ValueError, KeyError... for `!!int abc`
+            raise RecipeError(f"{path}: invalid YAML ({_first_line(err)})") from None
+        if data is None:  # an empty file: every default
+            data = {}
         if isinstance(data, dict):
             data = apply_overrides(data, overrides or [])
         return cls.from_dict(data, source=str(path))
@@ -218,8 +235,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
     data = _deepcopy(data)
     items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
     for key, value in items:
+        if not isinstance(key, str):
+            raise RecipeError(f"override {key!r}: the key must be a dotted name, e.g. training.lr")
         node = data
         parts = key.split(".")
+        if not all(parts):
+            raise RecipeError(f"override '{key}': empty name in the dotted key, e.g. training.lr")
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
@@ -232,12 +253,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
 
 
 def _split_override(text: str) -> tuple[str, Any]:
+    if not isinstance(text, str):
+        raise RecipeError(f"override {text!r}: expected a key=value string, e.g. training.lr=1e-4")
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise RecipeError(f"override '{text}': expected key=value, e.g. training.lr=1e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except Exception:  # not YAML (PyYAML also raises ValueError, KeyError... for `!!int x`): the text itself
         value = raw
     if isinstance(value, str) and _looks_like_float(value):
         value = float(value)  # YAML 1.1 reads "1e-4" as a string
@@ -252,12 +275,26 @@ def _looks_like_float(text: str) -> bool:
     return any(c.isdigit() for c in text)
 
 
-def _deepcopy(data):
+def _deepcopy(data, memo: dict | None = None):
+    # YAML aliases can share a node many times or put it inside itself: copy each node once
+    memo = {} if memo is None else memo
+    if id(data) in memo:
+        return memo[id(data)]
     if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
+        copy = memo[id(data)] = {}
+        for k, v in data.items():  # a loop, not a comprehension: one stack frame per level
+            copy[k] = _deepcopy(v, memo)
+        return copy
     if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
+        copy = memo[id(data)] = []
+        for v in data:
+            copy.append(_deepcopy(v, memo))
+        return copy
     return data
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def _describe(err: ValidationError, source: str) -> str:
@@ -274,7 +311,7 @@ def _describe(err: ValidationError, source: str) -> str:
         else:
             message = problem["msg"].removeprefix("Value error, ")
             if problem["type"] in ("literal_error", "enum"):
-                message = f"{message}, got {problem.get('input')!r}"
+                message = f"{message}, got {_SHORT.repr(problem.get('input'))}"  # YAML aliases can nest huge values
         lines.append(f"{source}: {path}: {message}" if path else f"{source}: {message}")
     return "\n".join(lines)
 

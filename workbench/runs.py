@@ -44,6 +44,8 @@ class RunDir:
         if resume:
             if not exists:
                 raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
+            for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):  # a write a crash cut short
+                shutil.rmtree(stale, ignore_errors=True)
             return
         if exists:
             if not overwrite:
@@ -141,8 +143,72 @@ class Run:
     def adapter_dir(self) -> Path:
         return self.path / "adapter"
 
+    @property
+    def history(self):
+        """metrics.jsonl as a pandas DataFrame: one row per logged step (eval rows have eval_loss)."""
+        return metrics_frame(self.metrics)
+
+    def plot(self):
+        """Loss (with eval points) and tokens/s over the steps: a matplotlib Figure."""
+        from .charts import run_figure
+
+        return run_figure(self.name, self.metrics)
+
+    def _repr_html_(self) -> str:
+        return summary_html(self.name, self.summary)
+
+
+@dataclass
+class TrainResult:
+    """What `workbench.train` / `workbench.launch` return: the run directory, its summary and metrics."""
+
+    run_dir: Path
+    summary: dict
+    metrics: Any = field(repr=False, default=None)  # pandas DataFrame, one row per logged step
+
+    @property
+    def run(self) -> Run:
+        return load_run(self.run_dir)
+
+    def plot(self):
+        """Loss (with eval points) and tokens/s over the steps: a matplotlib Figure."""
+        from .charts import run_figure
+
+        return run_figure(Path(self.run_dir).name, self.metrics.to_dict("records") if self.metrics is not None else [])
+
+    def _repr_html_(self) -> str:
+        return summary_html(Path(self.run_dir).name, self.summary)
+
+
+def metrics_frame(rows: list[dict]):
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    return frame if "step" not in frame else frame.reset_index(drop=True)
+
+
+SUMMARY_FIELDS = [("status", "status"), ("steps", "steps"), ("strategy", "strategy"), ("world_size", "world size"),
+                  ("tokens_per_s", "tokens/s"), ("peak_memory_mb", "peak memory (MB)"),
+                  ("predicted_peak_memory_mb", "predicted peak (MB)"), ("mfu", "MFU"), ("wall_s", "wall (s)"),
+                  ("final_loss", "final loss"), ("eval_loss_first", "eval loss before"),
+                  ("eval_loss_final", "eval loss after")]
+
+
+def summary_html(name: str, summary: dict) -> str:
+    """A run's headline figures as a small HTML table, for notebooks."""
+    import html
+
+    cells = "".join(f"<tr><th style='text-align:left'>{label}</th><td>{html.escape(_shown(summary.get(key)))}</td></tr>"
+                    for key, label in SUMMARY_FIELDS if summary.get(key) is not None)
+    return f"<div><b>run {html.escape(name)}</b><table>{cells}</table></div>"
+
+
+def _shown(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
 
 def load_run(path: str | Path) -> Run:
+    """Read a run directory back (recipe, summary, environment, metrics, evaluation)."""
     run_dir = RunDir(path)
     if not run_dir.run_json.exists():
         raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
@@ -155,6 +221,7 @@ def load_run(path: str | Path) -> Run:
 
 
 def list_runs(root: str | Path = "runs") -> list[Run]:
+    """Every run directory directly under `root`, sorted by name."""
     root = Path(root)
     if not root.exists():
         return []

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,23 +21,18 @@ from torch.utils.data import DataLoader
 from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import (build_accelerator, configure_threads, local_parameter_elements, resolve_strategy,
                           verify_launch, world_size_from_env)
-from .errors import WorkbenchError
+from .errors import Interrupted, NonFiniteError, WorkbenchError
 from .export import generate_text
-from .launch import check_launcher_agrees
+from .launcher import check_launcher_agrees
 from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
+from .preflight import preflight
 from .quiet import quiet_libraries
 from .recipe import Recipe
-from .runs import RunDir, environment, write_json_atomic
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    summary: dict
-    metrics: list = field(default_factory=list, repr=False)
+from .runs import RunDir, TrainResult, environment, metrics_frame, write_json_atomic
+from .stopping import StopRequest, agree
 
 
 @dataclass
@@ -48,6 +45,7 @@ class Progress:
     tokens: int = 0
     train_seconds: float = 0.0
     flops: float = 0.0
+    skipped_steps: int = 0
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -61,6 +59,8 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     started = time.perf_counter()
     quiet_libraries()
     run = RunDir(recipe.run_dir)
+    # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
+    warnings = preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model), resume)
     strategy, why = resolve_strategy(recipe, world_size_from_env())
     check_launcher_agrees(strategy)
     threads = configure_threads(recipe.training.threads)
@@ -76,23 +76,27 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     if main:
         recipe.save(run.recipe)
         run.update_json(env=environment(accelerator), summary={"status": "running", "strategy": strategy,
-                                                               "strategy_reason": why, "threads": threads})
+                                                               "strategy_reason": why, "threads": threads,
+                                                               "warnings": warnings})
+        for warning in warnings:
+            accelerator.print(f"warning: {warning}")
     try:
-        summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy)
+        with StopRequest() as stop:
+            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop)
     except BaseException as err:
         if main:
-            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            status = "interrupted" if isinstance(err, (KeyboardInterrupt, Interrupted)) else "failed"
             run.update_json(summary={"status": status, "error": f"{type(err).__name__}: {err}"})
         raise
     finally:
         accelerator.end_training()
     if main:
         summary = run.read_json()["summary"]  # with what was recorded at the start
-    return TrainResult(run.path, summary, read_metrics(run.metrics))
+    return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
 
 
 def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
-           strategy: str) -> dict:
+           strategy: str, stop: StopRequest) -> dict:
     cfg = recipe.training
     main = accelerator.is_main_process
     torch.manual_seed(cfg.seed)
@@ -101,6 +105,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         data = prepare_data(recipe.data, tokenizer, seed=cfg.seed)
+    if data.stats.get("train_empty") and main:
+        accelerator.print(f"warning: {data.stats['train_empty']} training sample(s) lost their whole answer to "
+                          f"truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
     collate = Collator(tokenizer.pad_token_id)
     sampler = EpochSampler(len(data.train), seed=cfg.seed)
     # Its own generator: creating a loader iterator must not draw from the global RNG that dropout
@@ -166,6 +173,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                    if state.batches_in_epoch else train_loader)
         for micro_batches in _windows(batches, cfg.grad_accum):
             step_start = time.perf_counter()
+            step_loss = torch.zeros((), device=accelerator.device)
             targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
@@ -176,13 +184,21 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                     # Normalise over every target token of the step on every rank; DDP averages
                     # gradients over ranks, so scale by the world size to undo that mean.
                     accelerator.backward(loss_sum * accelerator.num_processes / targets.clamp(min=1))
-                window_loss += loss_sum.detach()
+                step_loss += loss_sum.detach()
                 tokens = int(batch["num_tokens"])
                 window_tokens += tokens
                 state.flops += flop_counter.step_flops(tokens, int(batch["num_attended"]))
-            window_targets += _targets_local(micro_batches)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            optimizer.step()
+            nonfinite, signum = agree(accelerator, not _finite(step_loss, grad_norm), stop)
+            if nonfinite and cfg.on_nonfinite == "stop":
+                raise NonFiniteError(_nonfinite_message(run, state.step + 1, step_loss, grad_norm))
+            if nonfinite:  # on_nonfinite: skip — drop this update, keep the schedule
+                state.skipped_steps += 1
+                metrics.write({"step": state.step + 1, "skipped": "non-finite loss or gradients"})
+            else:
+                optimizer.step()
+                window_loss += step_loss
+                window_targets += _targets_local(micro_batches)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -195,18 +211,20 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 # The only host sync of the loop: read the loss when a row is written.
                 loss_total = accelerator.reduce(window_loss, reduction="sum")
                 target_total = accelerator.reduce(window_targets, reduction="sum")
-                last_loss = (loss_total / target_total.clamp(min=1)).item()
+                # None when every step of the window was skipped (on_nonfinite: skip)
+                last_loss = (loss_total / target_total).item() if target_total > 0 else None
                 tokens_total = int(accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device),
                                                       reduction="sum"))
                 state.tokens += tokens_total
                 elapsed = time.perf_counter() - window_start
-                row = {"step": state.step, "epoch": state.epoch, "loss": round(last_loss, 6),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 6),
+                norm = _rounded(float(grad_norm)) if grad_norm is not None else None
+                row = {"step": state.step, "epoch": state.epoch, "loss": _rounded(last_loss),
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
                        "tokens": state.tokens, "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 2),
                        "peak_memory_mb": round(peak_memory_mb(accelerator.device)[0], 1)}
                 metrics.write(row)
-                accelerator.log({k: v for k, v in row.items() if k != "step"}, step=state.step)
-                bar.set_postfix(loss=f"{last_loss:.4f}")
+                accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=state.step)
+                bar.set_postfix(loss=f"{last_loss:.4f}" if last_loss is not None else "skipped")
                 window_loss.zero_(), window_targets.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
 
@@ -216,8 +234,16 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 metrics.write({"step": state.step, "eval_loss": eval_loss})
                 accelerator.log({"eval_loss": eval_loss}, step=state.step)
 
-            if recipe.output.save_every and state.step % recipe.output.save_every == 0:
+            saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
+            if saved:
                 save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
+            if signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
+                if not saved:
+                    save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
+                bar.close()
+                raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
+                                  f"{run.checkpoint(state.step).name} saved: run the same command with --resume to "
+                                  "continue", signum)
 
             if state.step >= total_steps:
                 break
@@ -253,6 +279,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
         "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
+        "skipped_steps": state.skipped_steps,
     })
     if samples is not None:
         summary["samples"] = samples
@@ -322,11 +349,40 @@ def save_checkpoint(accelerator, run: RunDir, step: int, keep_last: int) -> None
     # DeepSpeed writes its own engine checkpoint: keep the frozen base weights out of it too.
     extra = {"exclude_frozen_parameters": True} if str(accelerator.distributed_type).endswith("DEEPSPEED") else {}
     accelerator.save_state(str(staging), safe_serialization=True, **extra)
+    _pause_for_crash_tests(step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json_atomic(staging / "workbench_checkpoint.json", {"step": step})
         run.publish_checkpoint(step, keep_last)
     accelerator.wait_for_everyone()
+
+
+def _pause_for_crash_tests(step: int) -> None:
+    """LORA_WORKBENCH_CHECKPOINT_PAUSE=STEP:SECONDS holds checkpoint STEP half-written for that long, so a
+    test can kill the process inside the write window (tests/test_crash.py)."""
+    wanted, _, seconds = os.environ.get("LORA_WORKBENCH_CHECKPOINT_PAUSE", "").partition(":")
+    if wanted == str(step):
+        time.sleep(float(seconds or 0))
+
+
+def _rounded(value: float | None) -> float | None:
+    """For metrics.jsonl: None (null) rather than NaN, which is not JSON."""
+    return None if value is None or not math.isfinite(value) else round(value, 6)
+
+
+def _finite(step_loss: torch.Tensor, grad_norm) -> bool:
+    finite = torch.isfinite(step_loss)
+    if isinstance(grad_norm, torch.Tensor):  # DeepSpeed clips inside its engine and returns None
+        finite &= torch.isfinite(grad_norm)
+    return bool(finite)
+
+
+def _nonfinite_message(run: RunDir, step: int, step_loss: torch.Tensor, grad_norm) -> str:
+    latest = run.latest_checkpoint()
+    kept = f"the last good checkpoint, {latest[1].name}, is kept" if latest else "no checkpoint was saved before it"
+    norm = f", gradient norm {float(grad_norm)}" if isinstance(grad_norm, torch.Tensor) else ""
+    return (f"training.step {step}: the loss or gradients are not finite (loss sum {float(step_loss)}{norm}); "
+            f"{kept}. Lower training.lr, check the data, or set training.on_nonfinite: skip")
 
 
 def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> None:
@@ -385,7 +441,11 @@ def _targets_local(micro_batches) -> torch.Tensor:
 
 
 def _progress(total: int, done: int, enabled: bool):
-    from tqdm.auto import tqdm
+    try:  # a widget bar in notebooks that have ipywidgets, a text bar everywhere else (and no warning)
+        import ipywidgets  # noqa: F401
+        from tqdm.auto import tqdm
+    except ImportError:
+        from tqdm.std import tqdm
 
     return tqdm(total=total, initial=done, disable=not enabled, desc="training", unit="step", dynamic_ncols=True)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,17 +62,29 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
 
 
 def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
-    """Run the plan in the foreground; Ctrl-C reaches every rank through the process group."""
+    """Run the plan in the foreground and return its exit code.
+
+    Ctrl-C reaches every rank through the terminal's process group: this process only waits for the
+    ranks to checkpoint and exit. A SIGTERM sent to this process alone (a scheduler, `kill PID`) is
+    passed on to the launcher, which passes it on to the ranks.
+    """
     env = {**os.environ, **plan.env}
     process = subprocess.Popen(plan.command, env=env)
+    forward = lambda signum, frame: process.send_signal(signum)  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
-        return process.wait(timeout=timeout)
+        while True:
+            try:
+                return process.wait(timeout=timeout)
+            except KeyboardInterrupt:
+                continue  # the ranks got it too and are stopping: wait for them
     except subprocess.TimeoutExpired:
         process.kill()
         raise WorkbenchError(f"the launch did not finish within {timeout} s") from None
-    except KeyboardInterrupt:
-        process.wait()
-        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def check_launcher_agrees(strategy: str) -> None:

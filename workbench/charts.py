@@ -1,6 +1,8 @@
-"""Figures for the UI, drawn with matplotlib's object API (no pyplot global state, safe across threads).
+"""The figures of runs and estimates, shared by the web UI and the Python API.
 
-They only draw numbers computed elsewhere: the estimator's breakdown, metrics.jsonl rows, run summaries.
+Drawn with matplotlib's object API (no pyplot global state, safe across threads). They only draw
+numbers computed elsewhere: the estimator's breakdown, metrics.jsonl rows, run summaries. Each takes an
+optional `ax` so several can share one figure (`workbench.plot_compare`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ SERIES_COLORS = ["#4f46e5", "#f97316", "#10b981", "#e11d48", "#0ea5e9", "#a855f7
 INK, MUTED = "#1e293b", "#64748b"
 
 
-def _figure(width: float = 7.0, height: float = 3.6):
-    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
-    ax = fig.add_subplot()
+def _figure(width: float = 7.0, height: float = 3.6, ax=None):
+    """(figure, styled axes): new ones, or the given axes of a larger figure."""
+    if ax is None:
+        fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     for side in ("left", "bottom"):
@@ -31,19 +37,19 @@ def _title(ax, text: str) -> None:
     ax.set_title(text, loc="left", fontsize=11, color=INK, fontweight="bold", pad=10)
 
 
-def empty(message: str, width: float = 7.0, height: float = 3.2) -> Figure:
-    fig, ax = _figure(width, height)
+def empty(message: str, width: float = 7.0, height: float = 3.2, ax=None) -> Figure:
+    fig, ax = _figure(width, height, ax)
     ax.axis("off")
     ax.text(0.5, 0.5, message, ha="center", va="center", color=MUTED, fontsize=11, transform=ax.transAxes)
     return fig
 
 
 def memory_breakdown(strategies: list[dict], recommended: str | None, device_bytes: float | None,
-                     device_label: str = "device") -> Figure:
+                     device_label: str = "device", ax=None) -> Figure:
     """Stacked per-device memory (GiB) of each strategy, with the device's memory as a dashed line."""
     if not strategies:
-        return empty("no strategies in the estimate")
-    fig, ax = _figure(7.6, 4.0)
+        return empty("no strategies in the estimate", ax=ax)
+    fig, ax = _figure(7.6, 4.0, ax)
     names = [s["name"] for s in strategies]
     xs = list(range(len(names)))
     bottoms = [0.0] * len(names)
@@ -83,10 +89,11 @@ def _gib(value: float) -> str:
     return f"{value:,.0f} GiB" if value >= 10 else f"{value:.2g} GiB" if value >= 0.01 else f"{value * 1024:.0f} MiB"
 
 
-def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eval_key: str | None = None) -> Figure:
+def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eval_key: str | None = None,
+           ax=None) -> Figure:
     """One line per run of `key` against the step (and dashed `eval_key` points when given)."""
     drawn = False
-    fig, ax = _figure()
+    fig, ax = _figure(ax=ax)
     for (name, rows), color in zip(series.items(), SERIES_COLORS * 4):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
         if points:
@@ -99,7 +106,7 @@ def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eva
                         label=f"{name} (eval)")
                 drawn = True
     if not drawn:
-        return empty(f"{title}: no metrics yet")
+        return empty(f"{title}: no metrics yet", ax=ax)
     ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
     ax.set_ylabel(ylabel, color=MUTED, fontsize=9)
     if ax.get_legend_handles_labels()[0]:
@@ -108,12 +115,13 @@ def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eva
     return fig
 
 
-def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: str, scale: float = 1.0) -> Figure:
+def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: str, scale: float = 1.0,
+             ax=None) -> Figure:
     """Grouped bars per run: `bars` are (column, legend label) pairs from the compare rows."""
     rows = [r for r in rows if any(r.get(col) is not None for col, _ in bars)]
     if not rows:
-        return empty(f"{title}: choose runs with figures")
-    fig, ax = _figure()
+        return empty(f"{title}: choose runs with figures", ax=ax)
+    fig, ax = _figure(ax=ax)
     width = 0.8 / len(bars)
     for i, ((col, label), color) in enumerate(zip(bars, SERIES_COLORS)):
         xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
@@ -129,3 +137,31 @@ def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: 
         ax.legend(frameon=False, fontsize=8)
     _title(ax, title)
     return fig
+
+
+# -- the standard views: one per run, one comparing runs ---------------------------------------
+
+
+def run_figure(name: str, rows: list[dict]) -> Figure:
+    """A run's loss (with eval points) and throughput over the steps, side by side."""
+    fig = Figure(figsize=(12, 3.6), dpi=110, layout="constrained")
+    left, right = fig.subplots(1, 2)
+    curves({name: rows}, "loss", f"Loss: {name}", "loss", eval_key="eval_loss", ax=left)
+    curves({name: rows}, "tokens_per_s", "Throughput", "tokens/s", ax=right)
+    return fig
+
+
+def compare_figure(rows: list[dict], series: dict[str, list[dict]]) -> Figure:
+    """Peak memory (measured beside predicted), throughput and loss curves of several runs."""
+    fig = Figure(figsize=(16, 3.8), dpi=110, layout="constrained")
+    memory, speed, losses = fig.subplots(1, 3)
+    compare_axes(rows, series, memory, speed, losses)
+    return fig
+
+
+def compare_axes(rows: list[dict], series: dict[str, list[dict]], memory=None, speed=None, losses=None):
+    """The three comparison charts (the UI shows them one by one, the API side by side)."""
+    return (run_bars(rows, [("peak_memory_mb", "measured"), ("predicted_peak_memory_mb", "predicted")],
+                     "Peak memory", "MB", ax=memory),
+            run_bars(rows, [("tokens_per_s", "tokens/s")], "Throughput", "tokens/s", ax=speed),
+            curves(series, "loss", "Loss curves", "loss", eval_key="eval_loss", ax=losses))

@@ -1,0 +1,123 @@
+"""Checks that run before any weights load, so a doomed run fails in seconds with the field to fix.
+
+Recipe fields and files (data exists and is readable, the output folder is writable and has room for the
+checkpoints it will keep), the tokenizer (a chat template and EOS where the data format needs them) and
+the model's context limit. Data rows themselves are checked, with file:line, as they are tokenized.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import RecipeError, WorkbenchError
+from .recipe import Recipe
+
+BYTES_PER_TRAINABLE_IN_CHECKPOINT = 4 + 8  # fp32 weights + AdamW's two moments (8-bit optimizers need less)
+DISK_MARGIN = 1.2
+
+
+def preflight(recipe: Recipe, tokenizer=None, model_config=None, resume: bool = False) -> list[str]:
+    """Raise on the first problem; return warnings worth printing (nothing fatal)."""
+    check_data_files(recipe)
+    check_output_dir(recipe, resume)
+    warnings = check_disk_space(recipe)
+    if tokenizer is not None:
+        check_tokenizer(recipe, tokenizer)
+    if model_config is not None:
+        check_context_length(recipe, model_config)
+    return warnings
+
+
+def check_data_files(recipe: Recipe) -> None:
+    for field in ("train", "eval"):
+        value = getattr(recipe.data, field)
+        if not value:
+            continue
+        path = Path(value)
+        if path.exists():
+            if path.is_dir():
+                raise RecipeError(f"data.{field}: {value} is a folder; give a .jsonl, .json, .csv or .parquet file")
+            if not os.access(path, os.R_OK):
+                raise RecipeError(f"data.{field}: {value} is not readable")
+        elif _looks_like_a_file(value):  # not a hub data set id
+            raise RecipeError(f"data.{field}: file {value} not found (paths are relative to {Path.cwd()})")
+
+
+def _looks_like_a_file(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or Path(value).suffix in (".jsonl", ".json", ".csv", ".parquet")
+
+
+def check_output_dir(recipe: Recipe, resume: bool = False) -> None:
+    """The run directory's nearest existing folder must take a file (a full disk or a read-only mount
+    fails here, not at the first checkpoint an hour in)."""
+    target = recipe.run_dir
+    if target.exists() and not target.is_dir():
+        raise RecipeError(f"output.dir: {target} exists and is not a folder")
+    existing = target if target.exists() else _nearest_existing(target)
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".workbench-write-test-"):
+            pass
+    except OSError as err:
+        raise RecipeError(f"output.dir: cannot write in {existing} ({err.strerror or err})") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def checkpoint_bytes(recipe: Recipe) -> int | None:
+    """Bytes one checkpoint takes (trainable weights and optimizer states), from the estimator's count."""
+    try:
+        from .memory import estimate
+
+        trainable = estimate(recipe, device="cpu").model["trainable_params"]
+    except Exception:  # noqa: BLE001 - an unknown model (offline hub id): no estimate, no check
+        return None
+    return int(trainable * BYTES_PER_TRAINABLE_IN_CHECKPOINT)
+
+
+def check_disk_space(recipe: Recipe) -> list[str]:
+    """Room for keep_last checkpoints, the one being written beside them, and the final adapter."""
+    if not recipe.output.save_every:
+        return []
+    one = checkpoint_bytes(recipe)
+    if one is None:
+        return ["free disk space not checked: the model's size is unknown offline"]
+    needed = int(one * (recipe.output.keep_last + 1) * DISK_MARGIN)
+    folder = _nearest_existing(recipe.run_dir)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise WorkbenchError(
+            f"output.dir: {folder} has {free / 2**30:.2f} GiB free, but {recipe.output.keep_last} checkpoint(s) "
+            f"+ one being written need about {needed / 2**30:.2f} GiB; free space, choose another output.dir or "
+            "lower output.keep_last"
+        )
+    return []
+
+
+def check_tokenizer(recipe: Recipe, tokenizer) -> None:
+    if recipe.data.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise RecipeError(
+            f"data.format: chat needs a tokenizer with a chat template, and {recipe.model.path} has none; "
+            "use format: completion or text, or a chat (instruct) model"
+        )
+    if tokenizer.eos_token_id is None:
+        raise RecipeError(
+            f"model.path: the tokenizer of {recipe.model.path} has no EOS token, so a tuned model would never "
+            "learn to stop; set one in the tokenizer files"
+        )
+
+
+def check_context_length(recipe: Recipe, config) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and recipe.data.max_seq_len > limit:
+        raise RecipeError(
+            f"data.max_seq_len: {recipe.data.max_seq_len} is longer than {recipe.model.path} was trained for "
+            f"({limit} positions); set data.max_seq_len <= {limit}"
+        )
