@@ -8,14 +8,18 @@
     wb.compare(["runs/tiny", result])          # a DataFrame; wb.plot_compare(...) draws it
 """
 
-from .api import compare, launch, plot_compare
-from .errors import DataError, ModelError, RecipeError, WorkbenchError
-from .evaluation import evaluate
-from .export import generate, merge
-from .memory import Estimate, estimate
-from .recipe import Recipe
-from .runs import Run, TrainResult, list_runs, load_run
-from .train import train
+from .quiet import quiet_warnings
+
+quiet_warnings()
+
+from .api import compare, launch, plot_compare  # noqa: E402
+from .errors import DataError, ModelError, RecipeError, WorkbenchError  # noqa: E402
+from .evaluation import evaluate  # noqa: E402
+from .export import generate, merge  # noqa: E402
+from .memory import Estimate, estimate  # noqa: E402
+from .recipe import Recipe  # noqa: E402
+from .runs import Run, TrainResult, list_runs, load_run  # noqa: E402
+from .train import train  # noqa: E402
 
 __all__ = [
     "DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",

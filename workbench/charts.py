@@ -9,6 +9,17 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
+class WorkbenchFigure(Figure):
+    """A Figure that shows itself in Jupyter without pyplot (which these charts never touch)."""
+
+    def _repr_png_(self) -> bytes:
+        import io
+
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png")
+        return buffer.getvalue()
+
+
 GIB = 2**30
 PARTS = ["weights", "adapter", "gradients", "optimizer", "activations", "other"]
 PART_COLORS = ["#4f46e5", "#a855f7", "#f59e0b", "#ef4444", "#10b981", "#94a3b8"]
@@ -19,7 +30,7 @@ INK, MUTED = "#1e293b", "#64748b"
 def _figure(width: float = 7.0, height: float = 3.6, ax=None):
     """(figure, styled axes): new ones, or the given axes of a larger figure."""
     if ax is None:
-        fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+        fig = WorkbenchFigure(figsize=(width, height), dpi=110, layout="constrained")
         ax = fig.add_subplot()
     else:
         fig = ax.figure
@@ -144,7 +155,7 @@ def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: 
 
 def run_figure(name: str, rows: list[dict]) -> Figure:
     """A run's loss (with eval points) and throughput over the steps, side by side."""
-    fig = Figure(figsize=(12, 3.6), dpi=110, layout="constrained")
+    fig = WorkbenchFigure(figsize=(12, 3.6), dpi=110, layout="constrained")
     left, right = fig.subplots(1, 2)
     curves({name: rows}, "loss", f"Loss: {name}", "loss", eval_key="eval_loss", ax=left)
     curves({name: rows}, "tokens_per_s", "Throughput", "tokens/s", ax=right)
@@ -153,7 +164,7 @@ def run_figure(name: str, rows: list[dict]) -> Figure:
 
 def compare_figure(rows: list[dict], series: dict[str, list[dict]]) -> Figure:
     """Peak memory (measured beside predicted), throughput and loss curves of several runs."""
-    fig = Figure(figsize=(16, 3.8), dpi=110, layout="constrained")
+    fig = WorkbenchFigure(figsize=(16, 3.8), dpi=110, layout="constrained")
     memory, speed, losses = fig.subplots(1, 3)
     compare_axes(rows, series, memory, speed, losses)
     return fig

@@ -18,13 +18,20 @@ class _DropHarmless(logging.Filter):
         return not any(text in message for text in _HARMLESS)
 
 
+def quiet_warnings() -> None:
+    """Warning filters, set when workbench is imported (libraries warn as they are imported)."""
+    # tqdm in a notebook without ipywidgets: it falls back to a text bar, which is all we use
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)\b")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
 def quiet_libraries() -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     for name in ("bitsandbytes.backends.cpu.ops", "DeepSpeed"):
         logging.getLogger(name).addFilter(_DropHarmless())
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)\b")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    quiet_warnings()
     try:
         import datasets
         import transformers
