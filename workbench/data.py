@@ -52,19 +52,30 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
         builder = LOCAL_FORMATS.get(local.suffix.lower())
         if builder is None:
             raise DataError(f"{path}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
-        where = _row_locator(local)
-        if local.suffix.lower() == ".jsonl":
-            _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
+        if local.is_dir():
+            raise DataError(f"{path}: is a folder; give a {', '.join(LOCAL_FORMATS)} file")
+        try:
+            if local.suffix.lower() == ".jsonl":
+                _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
+            where = _row_locator(local)
+            digest = _file_digest(local)
+        except OSError as err:
+            raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
         try:
             dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
         except Exception as err:  # pyarrow/datasets raise many types for malformed files
-            if check_row is not None and local.suffix.lower() == ".jsonl":
-                with local.open(encoding="utf-8") as handle:
-                    rows = [json.loads(line) for line in handle if line.strip()]
-                for i, row in enumerate(rows):
-                    check_row(row, where(i))
+            if local.suffix.lower() == ".jsonl":
+                for i, (_, line) in enumerate(_json_lines(local)):
+                    row = json.loads(line)
+                    problem = _arrow_refuses(line, row)
+                    if problem:
+                        raise DataError(f"{where(i)}: {problem}") from None
+                    if check_row is not None:
+                        check_row(row, where(i))
+            elif local.suffix.lower() in (".csv", ".json"):
+                _check_utf8(local)
             raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
-        return Rows(dataset, path, where, _file_digest(local))
+        return Rows(dataset, path, where, digest)
     if path.count("/") != 1 or path.startswith((".", "/")):
         raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
     try:
@@ -74,24 +85,72 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
     return Rows(dataset, path, lambda i: f"{path}[{split}] row {i}", f"hub:{path}:{split}:{dataset._fingerprint}")
 
 
-def _check_json_lines(path: Path) -> None:
-    with path.open(encoding="utf-8") as handle:
+def _json_lines(path: Path):
+    """(line number, text) of each non-blank line. Blank means JSON whitespace only, as for pyarrow
+    (str.strip would also skip a line of control characters that pyarrow fails on); bytes that are
+    not UTF-8 come through as surrogates."""
+    with path.open(encoding="utf-8", errors="surrogateescape") as handle:
         for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+            if line.strip(" \t\r\n"):
+                yield number, line
+
+
+def _check_json_lines(path: Path) -> None:
+    number = 0
+    for number, line in _json_lines(path):
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as err:
+            byte = ord(line[err.start]) - 0xDC00  # surrogateescape keeps the raw byte
+            raise DataError(f"{path}:{number}: not UTF-8 text (byte {byte:#04x} at column {err.start + 1})") from None
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+    if not number:
+        raise DataError(f"{path}: no rows (the file is empty or blank)")
+
+
+MAX_JSON_DEPTH = 63  # pyarrow's JSON reader refuses deeper nesting
+
+
+def _arrow_refuses(line: str, row: dict) -> str | None:
+    """Why pyarrow cannot read a line that Python's json module reads, or None."""
+    keys = [key for key, _ in json.loads(line, object_pairs_hook=lambda pairs: pairs)]
+    if len(set(keys)) < len(keys):
+        return f"field '{next(k for k in keys if keys.count(k) > 1)}' appears twice"
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "a string holds an unpaired surrogate escape (\\ud800-\\udfff): not valid Unicode"
+    depth, level = 0, [row]
+    while level:
+        depth += 1
+        level = [c for x in level for c in (x.values() if isinstance(x, dict) else x) if isinstance(c, (dict, list))]
+    if depth > MAX_JSON_DEPTH:
+        return f"nested {depth} levels deep, more than the JSON reader's {MAX_JSON_DEPTH}"
+    return None
+
+
+def _check_utf8(path: Path) -> None:
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{number}: not UTF-8 text (byte {line[err.start]:#04x} at column {err.start + 1})"
+                ) from None
 
 
 def _row_locator(path: Path) -> Callable[[int], str]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as handle:
-            lines = [n for n, line in enumerate(handle, start=1) if line.strip()]
+        lines = [n for n, _ in _json_lines(path)]
         return lambda i: f"{path}:{lines[i]}" if i < len(lines) else f"{path} row {i}"
     if suffix == ".csv":
         return lambda i: f"{path}:{i + 2}"  # header is line 1
@@ -107,6 +166,8 @@ def _file_digest(path: Path) -> str:
 
 
 def _first_line(err: Exception) -> str:
+    while err.__cause__ is not None:  # datasets wraps the parser's error in "An error occurred while generating"
+        err = err.__cause__
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 

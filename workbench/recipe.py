@@ -207,7 +207,7 @@ class Recipe(Section):
             data = apply_overrides(data, overrides or [])
         return cls.from_dict(data, source=str(path))
 
-    def override(self, *dotlist: str, **values: Any) -> "Recipe":
+    def override(self, /, *dotlist: str, **values: Any) -> "Recipe":  # /: a field may be called anything
         """A copy with `key=value` strings and/or `section__field=value` keywords applied."""
         flat = {k.replace("__", "."): v for k, v in values.items()}
         data = apply_overrides(self.to_dict(), list(dotlist))
