@@ -84,7 +84,7 @@ def test_merged_model_equals_base_plus_adapter_and_loads_without_peft(tiny_run, 
 
 
 def test_merge_refuses_a_bad_dtype_or_an_output_that_would_destroy_data(tiny_run, tmp_path):
-    with pytest.raises(RecipeError, match="--dtype: must be one of bfloat16, float16, float32, got 'int8'"):
+    with pytest.raises(RecipeError, match=r"--dtype: must be one of bf16, fp16, fp32 \(bfloat16, float16, float32\), got .int8."):
         merge(tiny_run.run_dir, dtype="int8")
     with pytest.raises(WorkbenchError, match="--out: .* would overwrite the run itself"):
         merge(tiny_run.run_dir, out=tiny_run.run_dir)
@@ -257,3 +257,21 @@ def test_quickstart_tuned_beats_base_on_held_out_questions(tmp_path):
     assert tuned["contains"] > base["contains"] and base["contains"] == 0  # the base has never heard of Quill
     assert any("Quill" in e["tuned"] for e in result["examples"])
     assert not any("Quill" in e["base"] for e in result["examples"])
+
+
+def test_the_cli_merges_evaluates_and_shows_scores_in_the_runs_table(tiny_run, tmp_path, capsys):
+    import shutil
+
+    from workbench.cli import main
+
+    run_dir = tmp_path / "runs" / "copy"
+    shutil.copytree(tiny_run.run_dir, run_dir)
+    assert main(["merge", str(run_dir), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    assert "merged model:" in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--base", "--limit", "3", "--max-new-tokens", "8", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] == 3 and printed["base"]["eval_loss"] > printed["tuned"]["eval_loss"]
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    table = capsys.readouterr().out
+    assert f"{printed['tuned']['eval_loss']:.4g}" in table and f"{printed['base']['eval_loss']:.4g}" in table

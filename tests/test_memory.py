@@ -384,3 +384,18 @@ def test_estimate_matches_a_real_cpu_run(name, tmp_path):
     measured = json.loads((recipe.run_dir / "run.json").read_text())["summary"]["peak_memory_mb"] * 2**20
     predicted = by_name(estimate(recipe, device="cpu"))["single"]["per_device_bytes"]
     assert predicted == pytest.approx(measured, rel=0.15), f"{name}: {predicted / 2**20:.0f} vs {measured / 2**20:.0f} MiB"
+
+
+def test_the_cli_prints_the_documented_json(capsys):
+    from workbench.cli import main
+
+    assert main(["estimate", "recipes/llama3.1-70b-qlora-fsdp.yaml", "--world-size", "2", "--device", "rtx4090",
+                 "--price-per-gpu-hour", "0.5", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["model"]) >= {"params", "trainable_params"} and printed["model"]["params"] > 70e9
+    for row in printed["strategies"]:
+        assert set(row) >= {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown"}
+        assert set(row["breakdown"]) == {"weights", "adapter", "gradients", "optimizer", "activations", "other"}
+    assert printed["recommended"] == "fsdp_offload"  # 70B QLoRA on 2 x 24 GB needs FSDP + CPU offload
+    assert main(["estimate", "recipes/tiny.yaml", "--nodes", "2", "--world-size", "3"]) == 2
+    assert "--nproc (3): must be a positive multiple of --nnodes (2)" in capsys.readouterr().err

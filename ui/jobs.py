@@ -138,11 +138,12 @@ class JobRegistry:
     # -- stopping ---------------------------------------------------------------------------------
 
     def stop(self, name: str) -> str:
-        """SIGINT to the job's process group (the trainer checkpoints and exits); SIGTERM if asked twice."""
+        """SIGINT to the job's process group: the trainer finishes its step, checkpoints and exits. Asked
+        again, a second SIGINT stops it at once (like Ctrl-C twice), without that checkpoint."""
         job = self._read(name)
         if job is None or not self._alive(job):
             return f"{name} is not running"
-        sig = signal.SIGTERM if job.stop_requested else signal.SIGINT
+        sig = signal.SIGINT
         try:
             os.killpg(job.pid, sig)  # started with start_new_session: the group id is the pid
         except ProcessLookupError:

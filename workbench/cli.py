@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     est = recipe_command("estimate", "memory per device for every strategy, which fits, and predicted speed", _estimate)
     est.add_argument("--nproc", "--world-size", dest="world_size", type=int, default=1,
                      help="devices in all (processes)")
-    est.add_argument("--nnodes", type=int, default=1, help="machines the devices are spread over")
+    est.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, default=1, help="machines the devices are spread over")
     est.add_argument("--device", default=None, help="e.g. h100-80gb, a100-40gb, rtx4090, cpu (default: this machine)")
     est.add_argument("--device-memory", default=None, help="memory of one device, e.g. 24GiB (overrides --device)")
     est.add_argument("--price-per-gpu-hour", type=float, default=None, help="for a cost estimate")
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     mg = sub.add_parser("merge", help="fold a run's adapter into its base: a plain transformers model folder")
     mg.add_argument("run", help="run directory")
     mg.add_argument("--out", default=None, help="target folder (default: RUN/merged)")
-    mg.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    mg.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (or bfloat16, float16, float32)")
     mg.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME", help="upload the merged folder")
     mg.set_defaults(handler=_merge)
 
@@ -278,11 +278,13 @@ def _runs(args) -> int:
     if not rows:
         print(f"no runs under {args.root}")
         return 0
+    columns = [c for c in COMPARE_COLUMNS if any(row[c] is not None for row in rows)]  # no empty columns
     table = Table(show_lines=False)
-    for column in COMPARE_COLUMNS:
-        table.add_column(column, justify="left" if column in ("run", "status", "method", "strategy") else "right")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("run", "status", "method", "strategy") else "right",
+                         overflow="fold")
     for row in rows:
-        table.add_row(*(_cell(row[c]) for c in COMPARE_COLUMNS))
+        table.add_row(*(_cell(row[c]) for c in columns))
     Console(width=240).print(table)
     return 0
 

@@ -133,8 +133,9 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     from .runs import load_run
 
     quiet_libraries()
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
     if dtype not in DTYPES:
-        raise RecipeError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise RecipeError(f"--dtype: must be one of bf16, fp16, fp32 ({', '.join(DTYPES)}), got {dtype!r}")
     run = load_run(run_dir)
     out = Path(out) if out else run.path / "merged"
     _check_out(out, run.path)
