@@ -212,26 +212,28 @@ def test_fsdp_shards_4bit_qlora_weights(runs):
     assert s["final_loss"] < losses(qlora_dir)[0]
 
 
-def test_two_nodes_on_localhost_form_one_run(tmp_path):
-    run_dir = tmp_path / "two-nodes"
+def launch_two_machines(run_dir, nproc: int, *overrides) -> tuple[dict, str]:
+    """Two `workbench launch` commands on localhost, machine rank 0 and 1, as on two machines."""
     master = f"127.0.0.1:{free_port()}"
 
-    def node(rank):
-        return [sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", "1", "--nnodes", "2",
-                "--node-rank", str(rank), "--master", master, f"output.dir={run_dir}", *COMMON,
-                "distributed.strategy=ddp", "training.micro_batch_size=2", "--overwrite"]
+    def machine(rank):
+        return [sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", str(nproc), "--nnodes", "2",
+                "--node-rank", str(rank), "--master", master, f"output.dir={run_dir}", *COMMON, *overrides,
+                "--overwrite"]
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    second = subprocess.Popen(node(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                              start_new_session=True)
+    second = subprocess.Popen(machine(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        first = run_command(node(0), run_dir)
+        first = run_command(machine(0), run_dir)
         second.wait(timeout=120)
     finally:
         if second.poll() is None:
             os.killpg(second.pid, signal.SIGKILL)
-    s = summary_of(run_dir)
-    assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU"), first.stdout[-3000:]
+    return summary_of(run_dir), first.stdout
+
+
+def test_two_nodes_on_localhost_form_one_run(tmp_path):
+    s, out = launch_two_machines(tmp_path / "two-nodes", 1, "distributed.strategy=ddp", "training.micro_batch_size=2")
+    assert (s["world_size"], s["distributed_type"]) == (2, "MULTI_CPU"), out[-3000:]
     a, b = s["trainable_checksum_per_rank"]
     assert a == b
 
@@ -262,26 +264,9 @@ def test_plain_accelerate_launch_runs_the_recipe_unchanged(tmp_path):
 
 def test_hybrid_shard_shards_within_a_machine_and_replicates_across(tmp_path):
     """Two simulated machines of two processes: ranks 0,1 hold one copy in halves, ranks 2,3 another."""
-    run_dir = tmp_path / "hsdp"
-    master = f"127.0.0.1:{free_port()}"
-
-    def node(rank):
-        return [sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", "2", "--nnodes", "2",
-                "--node-rank", str(rank), "--master", master, f"output.dir={run_dir}", *COMMON,
-                "training.max_steps=3", "distributed.strategy=fsdp", "distributed.fsdp.sharding=hybrid",
-                "training.micro_batch_size=1", "--overwrite"]
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    second = subprocess.Popen(node(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                              start_new_session=True)
-    try:
-        first = run_command(node(0), run_dir)
-        second.wait(timeout=120)
-    finally:
-        if second.poll() is None:
-            os.killpg(second.pid, signal.SIGKILL)
-    s = summary_of(run_dir)
-    assert (s["world_size"], s["distributed_type"]) == (4, "FSDP"), first.stdout[-3000:]
+    s, out = launch_two_machines(tmp_path / "hsdp", 2, "training.max_steps=3", "distributed.strategy=fsdp",
+                                 "distributed.fsdp.sharding=hybrid", "training.micro_batch_size=1")
+    assert (s["world_size"], s["distributed_type"]) == (4, "FSDP"), out[-3000:]
     assert s["param_elements_per_rank"] == [s["params"] // 2] * 4
     c0, c1, c2, c3 = s["trainable_checksum_per_rank"]
     assert c0 == c2 and c1 == c3 and c0 != c1  # same shard on both machines, different shards on one
