@@ -57,6 +57,8 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
         try:
             if local.suffix.lower() == ".jsonl":
                 _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
+            elif local.suffix.lower() == ".json":
+                _check_json_document(local)
             where = _row_locator(local)
             digest = _file_digest(local)
         except OSError as err:
@@ -72,7 +74,7 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                         raise DataError(f"{where(i)}: {problem}") from None
                     if check_row is not None:
                         check_row(row, where(i))
-            elif local.suffix.lower() in (".csv", ".json"):
+            elif local.suffix.lower() == ".csv":
                 _check_utf8(local)
             raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
         return Rows(dataset, path, where, digest)
@@ -113,6 +115,24 @@ def _check_json_lines(path: Path) -> None:
             raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
     if not number:
         raise DataError(f"{path}: no rows (the file is empty or blank)")
+
+
+def _check_json_document(path: Path) -> None:
+    """A .json file holds one array (or object) of rows, or one object per line. Checked before
+    datasets reads it: datasets 5.2 with pyarrow 26 kills the process on a file holding `null`."""
+    _check_utf8(path)
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        document = json.loads(text)
+    except RecursionError:
+        raise DataError(f"{path}: invalid JSON (nested too deeply)") from None
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and "\n" not in text[: err.pos].strip():  # JSON lines under a .json name
+            _check_json_lines(path)
+            return
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(document, (list, dict)):
+        raise DataError(f"{path}: a .json file must hold an array of rows, got {type(document).__name__}")
 
 
 MAX_JSON_DEPTH = 63  # pyarrow's JSON reader refuses deeper nesting

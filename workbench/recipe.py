@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import RecipeError
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
-_SHORT = reprlib.Repr()  # for values quoted in messages
-_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the value
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 2, 4, 4
 
 
 class Section(BaseModel):
@@ -240,13 +240,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
         node = data
         parts = key.split(".")
         if not all(parts):
-            raise RecipeError(f"override '{key}': empty name in the dotted key, e.g. training.lr")
+            raise RecipeError(f"override {key!r}: empty name in the dotted key, e.g. training.lr")
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise RecipeError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
+                where = ".".join(parts[: i + 1])
+                raise RecipeError(f"{_printable(where)}: is not a section, cannot set {_printable(key)}")
             node = child
         node[parts[-1]] = value
     return data
@@ -257,7 +258,7 @@ def _split_override(text: str) -> tuple[str, Any]:
         raise RecipeError(f"override {text!r}: expected a key=value string, e.g. training.lr=1e-4")
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise RecipeError(f"override '{text}': expected key=value, e.g. training.lr=1e-4")
+        raise RecipeError(f"override {text!r}: expected key=value, e.g. training.lr=1e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except Exception:  # not YAML (PyYAML also raises ValueError, KeyError... for `!!int x`): the text itself
@@ -301,7 +302,7 @@ def _describe(err: ValidationError, source: str) -> str:
     """One line per problem: `source: a.b.c: what is wrong`, with a suggestion for unknown keys."""
     lines = []
     for problem in err.errors():
-        loc = [str(p) for p in problem["loc"]]
+        loc = [_printable(str(p)) for p in problem["loc"]]  # a key "a\nb" must not break the line
         path = ".".join(loc)
         if problem["type"] == "extra_forbidden":
             message = f"unknown key '{loc[-1]}'"
@@ -314,6 +315,10 @@ def _describe(err: ValidationError, source: str) -> str:
                 message = f"{message}, got {_SHORT.repr(problem.get('input'))}"  # YAML aliases can nest huge values
         lines.append(f"{source}: {path}: {message}" if path else f"{source}: {message}")
     return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _closest_key(loc: list[str]) -> str | None:
