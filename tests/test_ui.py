@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from matplotlib.figure import Figure
 
 pytest.importorskip("gradio")
 
@@ -244,7 +245,7 @@ def test_compare_table_charts_and_csv_export(h, root):
             "wall time (s)", "final loss", "eval loss (final)"} <= set(table.columns)
     assert table["run"].tolist() == ["a", "b"] and table["MFU (%)"].tolist()[0] == 1.23
     assert table["tokens/s"].tolist() == [1234.5, 2000.0] and table["method"].tolist() == ["lora", "lora"]
-    assert all(type(f).__name__ == "Figure" for f in (memory, speed, losses)) and "2 run(s)" in status
+    assert all(isinstance(f, Figure) for f in (memory, speed, losses)) and "2 run(s)" in status
     assert [line.get_label() for line in losses.axes[0].lines] == ["a", "a (eval)", "b", "b (eval)"]
 
     path, status = h.export_csv(["a", "b"])

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from workbench.errors import RecipeError
-from workbench.recipe import Recipe
+from workbench.recipe import Recipe, parse_recipe_yaml
 
 SKIP = object()  # a form value that cannot show what the YAML holds: leave the widget as it is
 ENABLED = "enabled"  # the pseudo-field of an optional section
@@ -180,7 +180,7 @@ def _parse_list(text: str) -> list | None:
     if text.startswith("["):
         try:
             parsed = yaml.safe_load(text)
-        except yaml.YAMLError:
+        except Exception:  # noqa: BLE001 - PyYAML raises bare ValueError etc. for bad tags: read it as text
             parsed = None
         if isinstance(parsed, list):
             return parsed
@@ -259,12 +259,7 @@ def to_yaml(data: dict) -> str:
 
 def parse_yaml(text: str) -> dict:
     """The mapping a YAML text holds; RecipeError (with the line) when it is not valid YAML or not a mapping."""
-    try:
-        data = yaml.safe_load(text or "") or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark else ""
-        raise RecipeError(f"recipe: {where}invalid YAML ({getattr(err, 'problem', None) or err})") from None
+    data = parse_recipe_yaml(text or "", "recipe")
     if not isinstance(data, dict):
         raise RecipeError(f"recipe: a recipe must be a YAML mapping, got {type(data).__name__}")
     return data

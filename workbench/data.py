@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -218,13 +219,15 @@ def row_to_messages(row: dict, fmt: str, where: str, system_prompt: str | None) 
             if role not in ("system", "user", "assistant"):
                 raise DataError(f"{where}: messages[{k}].role must be system, user or assistant, got {role!r}")
             content = _text_field(message, "content", f"{where}: messages[{k}]")
+            if role == "assistant":
+                _not_empty(content, f"{where}: messages[{k}].content")
             clean.append({"role": role, "content": content})
         if not any(m["role"] == "assistant" for m in clean):
             raise DataError(f"{where}: no assistant message to learn from")
     else:  # alpaca
         instruction = _text_field(row, "instruction", where)
         extra = _text_field(row, "input", where, required=False)
-        output = _text_field(row, "output", where)
+        output = _not_empty(_text_field(row, "output", where), f"{where}: field 'output'")
         user = f"{instruction}\n\n{extra}" if extra else instruction
         clean = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
     if system_prompt and clean[0]["role"] != "system":
@@ -265,8 +268,9 @@ def row_segments(row: dict, fmt: str, tokenizer, cfg: DataSection, where: str) -
         prompt = ALPACA_PROMPT + f"### Instruction:\n{messages[-2]['content']}\n\n### Response:\n"
         return [(prompt, False), (messages[-1]["content"], True)]
     if fmt == "completion":
-        return [(_text_field(row, "prompt", where), False), (_text_field(row, "completion", where), True)]
-    return [(_text_field(row, "text", where), True)]
+        completion = _not_empty(_text_field(row, "completion", where), f"{where}: field 'completion'")
+        return [(_text_field(row, "prompt", where), False), (completion, True)]
+    return [(_not_empty(_text_field(row, "text", where), f"{where}: field 'text'"), True)]
 
 
 def check_row(row: dict, fmt: str, where: str) -> None:
@@ -274,9 +278,17 @@ def check_row(row: dict, fmt: str, where: str) -> None:
     if fmt in ("chat", "alpaca"):
         row_to_messages(row, fmt, where, None)
     elif fmt == "completion":
-        _text_field(row, "prompt", where), _text_field(row, "completion", where)
+        _text_field(row, "prompt", where)
+        _not_empty(_text_field(row, "completion", where), f"{where}: field 'completion'")
     else:
-        _text_field(row, "text", where)
+        _not_empty(_text_field(row, "text", where), f"{where}: field 'text'")
+
+
+def _not_empty(text: str, where: str) -> str:
+    """An empty answer teaches only to stop at once: almost always a broken row, so refuse it."""
+    if not text.strip():
+        raise DataError(f"{where}: empty answer (nothing to learn from)")
+    return text
 
 
 def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
@@ -350,6 +362,10 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
     if cfg.eval:
         eval_tok, _ = tokenize_rows(load_rows(cfg.eval, cfg.split, check), tokenizer, cfg)
     elif cfg.eval_split:
+        held_out = math.ceil(len(train_tok) * cfg.eval_split)
+        if not 0 < held_out < len(train_tok):
+            raise DataError(f"{cfg.train}: data.eval_split {cfg.eval_split} of {len(train_tok)} rows leaves no "
+                            "rows to train on; lower it or give data.eval a file")
         parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
         train_tok, eval_tok = parts["train"], parts["test"]
 

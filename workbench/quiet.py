@@ -30,7 +30,9 @@ def quiet_libraries() -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     for name in ("bitsandbytes.backends.cpu.ops", "DeepSpeed"):
-        logging.getLogger(name).addFilter(_DropHarmless())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropHarmless) for f in logger.filters):  # called once per command
+            logger.addFilter(_DropHarmless())
     quiet_warnings()
     try:
         import datasets

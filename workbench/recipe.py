@@ -191,18 +191,7 @@ class Recipe(Section):
         except UnicodeDecodeError as err:
             line = raw.count(b"\n", 0, err.start) + 1
             raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise RecipeError(f"{where}: invalid YAML ({getattr(err, 'problem', None) or _first_line(err)})") from None
-        except RecursionError:
-            raise RecipeError(f"{path}: invalid YAML (nested too deeply)") from None
-        except Exception as err:  # PyYAML's constructors raise bare ValueError, KeyError... for `!!int abc`
-            raise RecipeError(f"{path}: invalid YAML ({_first_line(err)})") from None
-        if data is None:  # an empty file: every default
-            data = {}
+        data = parse_recipe_yaml(text, str(path))
         if isinstance(data, dict):
             data = apply_overrides(data, overrides or [])
         return cls.from_dict(data, source=str(path))
@@ -228,6 +217,22 @@ class Recipe(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir.format(name=self.name))
+
+
+def parse_recipe_yaml(text: str, source: str) -> Any:
+    """What a recipe's YAML text holds ({} for an empty text); RecipeError naming `source:line` otherwise.
+    The CLI, the Python API and the UI's YAML editor all read recipes through this."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise RecipeError(f"{where}: invalid YAML ({getattr(err, 'problem', None) or _first_line(err)})") from None
+    except RecursionError:
+        raise RecipeError(f"{source}: invalid YAML (nested too deeply)") from None
+    except Exception as err:  # PyYAML's constructors raise bare ValueError, KeyError... for `!!int abc`
+        raise RecipeError(f"{source}: invalid YAML ({_first_line(err)})") from None
+    return {} if data is None else data  # an empty text: every default
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
