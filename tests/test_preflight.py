@@ -8,7 +8,8 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from workbench import RecipeError, WorkbenchError, train
 from workbench.cli import main
-from workbench.preflight import check_context_length, check_tokenizer, checkpoint_bytes, preflight
+from workbench.preflight import (check_context_length, check_disk_space, check_tokenizer, checkpoint_bytes,
+                                 preflight)
 
 
 def test_a_missing_data_file_is_named(tiny_recipe):
@@ -36,14 +37,14 @@ def test_an_output_path_that_is_a_file_is_refused(tiny_recipe, tmp_path):
 
 def test_too_little_disk_for_the_checkpoints_is_refused_before_loading(tiny_recipe, monkeypatch, tmp_path):
     recipe = tiny_recipe.override("output.save_every=5", "output.keep_last=3")
-    one = checkpoint_bytes(recipe)
+    one = checkpoint_bytes(38912)
     assert one == 38912 * 12  # the tiny model's LoRA weights and their two AdamW moments, in fp32
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - one, one))
     with pytest.raises(WorkbenchError, match=r"output.dir: .* 3 checkpoint\(s\) \+ one being written"):
         train(recipe, progress_bar=False)
-    assert not recipe.run_dir.exists()  # nothing was written
-    preflight(recipe.override("output.save_every=null"))  # no checkpoints: no space needed
+    assert not (recipe.run_dir / "checkpoints").exists()  # stopped before the first step
+    check_disk_space(recipe.override("output.save_every=null"), 38912)  # no checkpoints: no space needed
 
 
 def test_chat_data_needs_a_chat_template(tiny_recipe, tiny_path):

@@ -1,8 +1,8 @@
 """Checks that run before any weights load, so a doomed run fails in seconds with the field to fix.
 
-Recipe fields and files (data exists and is readable, the output folder is writable and has room for the
-checkpoints it will keep), the tokenizer (a chat template and EOS where the data format needs them) and
-the model's context limit. Data rows themselves are checked, with file:line, as they are tokenized.
+Recipe fields and files (data exists and is readable, the output folder is writable), the tokenizer (a chat template and EOS where the data format needs them) and
+the model's context limit. Data rows themselves are checked, with file:line, as they are tokenized, and
+the free disk for the checkpoints once the adapter is attached (`check_disk_space`, before the first step).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def preflight(recipe: Recipe, tokenizer=None, model_config=None, resume: bool = 
     """Raise on the first problem; return warnings worth printing (nothing fatal)."""
     check_data_files(recipe)
     check_output_dir(recipe, resume)
-    warnings = check_disk_space(recipe)
+    warnings: list[str] = []
     if tokenizer is not None:
         check_tokenizer(recipe, tokenizer)
     if model_config is not None:
@@ -71,25 +71,17 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def checkpoint_bytes(recipe: Recipe) -> int | None:
-    """Bytes one checkpoint takes (trainable weights and optimizer states), from the estimator's count."""
-    try:
-        from .memory import estimate
-
-        trainable = estimate(recipe, device="cpu").model["trainable_params"]
-    except Exception:  # noqa: BLE001 - an unknown model (offline hub id): no estimate, no check
-        return None
-    return int(trainable * BYTES_PER_TRAINABLE_IN_CHECKPOINT)
+def checkpoint_bytes(trainable_params: int) -> int:
+    """Bytes one checkpoint takes: the trainable weights and their optimizer states."""
+    return int(trainable_params * BYTES_PER_TRAINABLE_IN_CHECKPOINT)
 
 
-def check_disk_space(recipe: Recipe) -> list[str]:
-    """Room for keep_last checkpoints, the one being written beside them, and the final adapter."""
+def check_disk_space(recipe: Recipe, trainable_params: int) -> None:
+    """Room for keep_last checkpoints, the one being written beside them, and the final adapter.
+    Run once the adapter is attached (the exact count, before the first step)."""
     if not recipe.output.save_every:
-        return []
-    one = checkpoint_bytes(recipe)
-    if one is None:
-        return ["free disk space not checked: the model's size is unknown offline"]
-    needed = int(one * (recipe.output.keep_last + 1) * DISK_MARGIN)
+        return
+    needed = int(checkpoint_bytes(trainable_params) * (recipe.output.keep_last + 1) * DISK_MARGIN)
     folder = _nearest_existing(recipe.run_dir)
     free = shutil.disk_usage(folder).free
     if free < needed:
@@ -98,7 +90,6 @@ def check_disk_space(recipe: Recipe) -> list[str]:
             f"+ one being written need about {needed / 2**30:.2f} GiB; free space, choose another output.dir or "
             "lower output.keep_last"
         )
-    return []
 
 
 def check_tokenizer(recipe: Recipe, tokenizer) -> None:

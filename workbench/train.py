@@ -28,7 +28,7 @@ from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
-from .preflight import preflight
+from .preflight import check_disk_space, preflight
 from .quiet import quiet_libraries
 from .recipe import Recipe
 from .runs import RunDir, TrainResult, environment, metrics_frame, write_json_atomic
@@ -123,6 +123,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     model = attach_adapter(load_base_model(recipe), recipe)
     ensure_trainable(model)
     total_params, trainable_params = count_parameters(model)
+    check_disk_space(recipe, trainable_params)
     flop_counter = FlopCounter(model, model.config)
     optimizer = build_optimizer(model, recipe)
 
@@ -149,9 +150,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()))
 
     summary = {"status": "running", "world_size": accelerator.num_processes, "total_steps": total_steps,
-               "params": total_params, "trainable_params": trainable_params, **data.stats,
-               # what the estimator said beforehand, kept beside what the run measures
-               **prediction_for_run(recipe, strategy, accelerator.num_processes, accelerator.device.type)}
+               "params": total_params, "trainable_params": trainable_params, **data.stats}
     if main:  # early, so a watcher (CLI, UI) can show "step i / total" while the run is going
         run.update_json(summary=summary)
     samples = _sample_generations(recipe, model, tokenizer, accelerator) if state.step == 0 else None
@@ -280,6 +279,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
         "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
         "skipped_steps": state.skipped_steps,
+        # what the estimator predicts for this setup, beside what was measured (computed after the
+        # measurement, so that building the estimate never shows in the measured peak)
+        **prediction_for_run(recipe, strategy, accelerator.num_processes, accelerator.device.type),
     })
     if samples is not None:
         summary["samples"] = samples
