@@ -1,0 +1,325 @@
+"""One tool, one job, in this process: lora-workbench, TRL's SFTTrainer, or a plain PyTorch + peft loop.
+
+`python bench/peers.py` starts each tool in a process of its own (peak RSS is a per-process high-water mark)
+through `run_tool(spec)`, which returns what every tool reports the same way: the job's wall time (load,
+prepare, one epoch, save), the training loop's time, real tokens, peak RSS when training ended, model FLOPs
+and the eval loss on the held-out rows, computed by one shared function for all three tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+# What each tool is given beyond the job itself, printed with the results.
+SETTINGS = {
+    "workbench": "packing: true (best-fit, block-diagonal attention), {packs} packs of {seq} per step",
+    "trl": "SFTTrainer, packing={packing} (bfd, padding-free when true), per_device_train_batch_size={batch}, "
+           "gradient_checkpointing={gradient_checkpointing}, train_sampling_strategy={train_sampling_strategy}, "
+           "prompt-completion rows (completion-only loss), fused LM head (TRL's default)",
+    "plain": "greedy packing, position_ids restart per sample (block-diagonal attention), {packs} packs per step, "
+             "full logits + F.cross_entropy",
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_completion(row: dict) -> dict:
+    """A chat row as TRL's prompt-completion layout (its documented way to learn only the answer)."""
+    messages = row["messages"]
+    return {"prompt": messages[:-1], "completion": messages[-1:]}
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def lora_config(spec: dict):
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
+                      target_modules=spec["target_modules"], task_type="CAUSAL_LM")
+
+
+def load_model(spec: dict):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="sdpa")
+
+
+def load_tokenizer(spec: dict):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# -- shared measurement ----------------------------------------------------------------------
+
+
+def model_flops(model, lengths: list[int]) -> float:
+    """Model FLOPs of one epoch over samples of these lengths, counted the way the workbench counts them."""
+    from workbench.metrics import FlopCounter
+
+    counter = FlopCounter(model, model.config)
+    attended = sum(n * (n + 1) // 2 for n in lengths)
+    return counter.step_flops(sum(lengths), attended)
+
+
+def reference_samples(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
+    """Rows tokenized one way for every tool (the workbench's: chat template, loss on the answers)."""
+    from workbench.data import tokenize_row
+    from workbench.recipe import DataSection
+
+    cfg = DataSection(train="unused", format="chat", max_seq_len=spec["max_seq_len"], train_on="completions")
+    return [tokenize_row(row, tokenizer, cfg, f"row {i}") for i, row in enumerate(rows)]
+
+
+@torch.no_grad()
+def eval_loss(model, samples: list[dict]) -> float:
+    """Mean next-token loss over every answer token of the held-out rows, one row at a time (no padding)."""
+    model.eval()
+    total, targets = 0.0, 0
+    for sample in samples:
+        ids = torch.tensor([sample["input_ids"]])
+        labels = torch.tensor(sample["labels"][1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        total += float(F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum"))
+        targets += int((labels != IGNORE).sum())
+    return total / max(targets, 1)
+
+
+def stop_clock(started: float) -> dict:
+    """Read when the job is done (adapter saved), before the shared evaluation adds time or memory."""
+    return {"job_s": round(time.perf_counter() - started, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
+            "ended_at": time.time()}
+
+
+def finish(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, steps: int, model, lengths: list[int],
+           settings: str) -> dict:
+    """What every tool reports, the eval loss computed the same way for all."""
+    tokenizer = load_tokenizer(spec)
+    loss = eval_loss(model, reference_samples(spec, read_rows(spec["eval"]), tokenizer))
+    return {"tool": tool, "settings": settings, **clock, "loop_s": round(loop_s, 2), "tokens": tokens,
+            "steps": steps, "flops": model_flops(model, lengths), "eval_loss": round(loss, 5),
+            "threads": torch.get_num_threads()}
+
+
+# -- (a) lora-workbench: the real path, workbench.train(Recipe) --------------------------------------
+
+
+def workbench_recipe(spec: dict):
+    from workbench import Recipe
+
+    return Recipe.from_dict({
+        "name": "peers-workbench",
+        "model": {"path": spec["model"], "dtype": "bfloat16", "attn": "sdpa"},
+        "adapter": {"method": "lora", "r": spec["r"], "alpha": spec["alpha"], "dropout": spec["dropout"],
+                    "target_modules": spec["target_modules"]},
+        "data": {"train": spec["train"], "format": "chat", "max_seq_len": spec["max_seq_len"], "packing": True,
+                 "train_on": "completions"},
+        "training": {"epochs": 1, "micro_batch_size": spec["packs_per_step"], "grad_accum": 1, "lr": spec["lr"],
+                     "scheduler": "cosine", "warmup_ratio": spec["warmup_ratio"], "max_grad_norm": 1.0,
+                     "mixed_precision": "bf16", "seed": spec["seed"], "threads": spec["threads"],
+                     **spec.get("workbench_training", {})},
+        "output": {"dir": str(Path(spec["out"]) / "{name}"), "save_every": None, "eval_every": None,
+                   "log_every": 10, "sample_prompts": []},
+    })
+
+
+def apply_levers(levers: list[str]) -> None:
+    """Proposed changes to the training loop, measured here by patching its names before it runs
+    (each is a one-line change in workbench/train.py; see bench/README or the report)."""
+    import importlib
+
+    loop = importlib.import_module("workbench.train")  # the module: the package exports its train() as `train`
+
+    attach = loop.attach_adapter
+
+    def attach_adapter(model, recipe):
+        from workbench.fastpath import lora_fast_paths
+        from workbench.packed_attention import use_packed_attention
+
+        model = attach(model, recipe)
+        if "fastpath" in levers:  # LoRA input: no float32 copy under autocast, sparse dropout
+            lora_fast_paths(model)
+        if "packed-attention" in levers:  # one causal attention per sample, no (row x row) mask
+            use_packed_attention(model)
+        return model
+
+    loop.attach_adapter = attach_adapter
+    if "chunked-loss" in levers:  # LM head over target positions only, a chunk of logits at a time
+        from workbench.lm_loss import lm_loss_sum
+
+        loop.causal_lm_loss_sum = lm_loss_sum
+    if "pad64" in levers:  # batch widths a multiple of 64: CPU matmul kernels are built once per shape
+        from functools import partial
+
+        loop.Collator = partial(loop.Collator, pad_to_multiple_of=64)
+    unknown = set(levers) - set(LEVERS)
+    if unknown:
+        raise ValueError(f"unknown lever(s) {sorted(unknown)}; known: {', '.join(LEVERS)}")
+
+
+LEVERS = ("fastpath", "packed-attention", "chunked-loss", "pad64")
+
+
+def run_workbench(spec: dict) -> dict:
+    import workbench as wb
+    from peft import PeftModel
+
+    levers = spec["levers"] if spec["tool"] == "workbench+" else []
+    apply_levers(levers)
+    started = time.perf_counter()
+    result = wb.train(workbench_recipe(spec), overwrite=True, progress_bar=False)
+    clock = stop_clock(started)
+    summary = result.summary
+    model = PeftModel.from_pretrained(load_model(spec), str(result.run_dir / "adapter"))
+    tokenizer = load_tokenizer(spec)
+    lengths = [len(s["input_ids"]) for s in reference_samples(spec, read_rows(spec["train"]), tokenizer)]
+    settings = SETTINGS["workbench"].format(packs=spec["packs_per_step"], seq=spec["max_seq_len"])
+    if spec.get("workbench_training"):
+        settings += f", {spec['workbench_training']}"
+    if levers:
+        settings += f", with the proposed patches: {', '.join(levers)}"
+    report = finish(spec, spec["tool"], clock, summary["train_s"], summary["tokens"], summary["steps"], model,
+                    lengths, settings)
+    report["own_mfu"] = summary["mfu"]
+    return report
+
+
+# -- (b) TRL's SFTTrainer with peft ---------------------------------------------------------------
+
+
+def run_trl(spec: dict) -> dict:
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(spec)
+    train = datasets.Dataset.from_list([prompt_completion(r) for r in read_rows(spec["train"])])
+    trl_opts = {"gradient_checkpointing": False, "train_sampling_strategy": "random", "packing": False,
+                **spec.get("trl", {})}
+    # packed, a sequence holds several samples: as many sequences per step as the other packing tool
+    batch = spec["packs_per_step"] if trl_opts["packing"] else spec["batch"]
+    args = SFTConfig(
+        output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, num_train_epochs=1, learning_rate=spec["lr"], lr_scheduler_type="cosine",
+        warmup_steps=spec["warmup_ratio"], weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_seq_len"],
+        bf16=True, use_cpu=True, logging_steps=10, save_strategy="no", eval_strategy="no",
+        report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0, **trl_opts,
+    )
+    trainer = SFTTrainer(model=load_model(spec), args=args, train_dataset=train, processing_class=tokenizer,
+                         peft_config=lora_config(spec))
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    output = trainer.train()
+    trainer.save_model()
+    clock = stop_clock(started)
+    settings = SETTINGS["trl"].format(**trl_opts, batch=batch)
+    return finish(spec, "trl", clock, output.metrics["train_runtime"], sum(lengths), output.global_step,
+                  trainer.model, lengths, settings)
+
+
+# -- (c) a plain PyTorch + peft loop ----------------------------------------------------------------
+
+
+def plain_samples(rows: list[dict], tokenizer, max_len: int) -> list[dict]:
+    """Chat template; loss on the answer tokens only; truncated to max_len."""
+    samples = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        full = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
+        labels = [IGNORE] * len(prompt) + full[len(prompt):]
+        samples.append({"input_ids": full[:max_len], "labels": labels[:max_len]})
+    return samples
+
+
+def greedy_packs(samples: list[dict], max_len: int, seed: int) -> list[dict]:
+    """Shuffle, then fill each pack in order until the next sample does not fit."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    packs, current = [], {"input_ids": [], "labels": [], "position_ids": []}
+    for i in order:
+        s = samples[i]
+        if current["input_ids"] and len(current["input_ids"]) + len(s["input_ids"]) > max_len:
+            packs.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += s["input_ids"]
+        current["labels"] += [IGNORE] + s["labels"][1:]  # no target crosses into the next sample
+        current["position_ids"] += list(range(len(s["input_ids"])))
+    packs.append(current)
+    return packs
+
+
+def plain_batch(packs: list[dict], pad_id: int) -> dict:
+    width = max(len(p["input_ids"]) for p in packs)
+    batch = {"input_ids": torch.full((len(packs), width), pad_id), "labels": torch.full((len(packs), width), IGNORE),
+             "position_ids": torch.zeros((len(packs), width), dtype=torch.long)}
+    for row, p in enumerate(packs):
+        n = len(p["input_ids"])
+        batch["input_ids"][row, :n] = torch.tensor(p["input_ids"])
+        batch["labels"][row, :n] = torch.tensor(p["labels"])
+        batch["position_ids"][row, :n] = torch.tensor(p["position_ids"])
+        batch["position_ids"][row, n:] = torch.arange(width - n)  # padding: a sample of its own
+    return batch
+
+
+def run_plain(spec: dict) -> dict:
+    from peft import get_peft_model
+    from transformers import get_cosine_schedule_with_warmup
+
+    started = time.perf_counter()
+    torch.manual_seed(spec["seed"])
+    tokenizer = load_tokenizer(spec)
+    samples = plain_samples(read_rows(spec["train"]), tokenizer, spec["max_seq_len"])
+    packs = greedy_packs(samples, spec["max_seq_len"], spec["seed"])
+    model = get_peft_model(load_model(spec), lora_config(spec))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.0, foreach=True)
+    size = spec["packs_per_step"]
+    steps = math.ceil(len(packs) / size)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, round(spec["warmup_ratio"] * steps), steps)
+    model.train()
+    loop_start = time.perf_counter()
+    for step in range(steps):
+        batch = plain_batch(packs[step * size:(step + 1) * size], tokenizer.pad_token_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        shifted = batch["labels"][:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / (shifted != IGNORE).sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    loop_s = time.perf_counter() - loop_start
+    model.save_pretrained(str(Path(spec["out"]) / "plain-adapter"))
+    clock = stop_clock(started)
+    lengths = [len(s["input_ids"]) for s in samples]
+    settings = SETTINGS["plain"].format(packs=size)
+    return finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings)
+
+
+TOOLS = {"workbench": run_workbench, "workbench+": run_workbench, "trl": run_trl, "plain": run_plain}
+
+
+def run_tool(spec: dict) -> dict:
+    torch.set_num_threads(spec["threads"])
+    return TOOLS[spec["tool"]](spec)
