@@ -1,18 +1,25 @@
 """The same LoRA job with lora-workbench, TRL's SFTTrainer and a plain PyTorch + peft loop, side by side.
 
-    python bench/peers.py --job builtin-512 --repeats 2     # Llama, hidden 512, 8 layers (a few minutes)
-    python bench/peers.py --job smollm2 --repeats 2         # SmolLM2-135M-Instruct
-    python bench/peers.py --quick                           # a smoke run with a tiny model (seconds)
+    python bench/peers.py --job builtin-512 --repeats 2     # Llama, hidden 512, 8 layers (~10 minutes)
+    python bench/peers.py --job smollm2 --repeats 2         # SmolLM2-135M-Instruct (~12 minutes)
+    python bench/peers.py --quick                           # a smoke run with a tiny model (~30 s)
+    python bench/peers.py --job smollm2 --tools workbench,workbench-baseline,trl,plain   # + fast paths off
 
-Same model, data, LoRA configuration, effective batch, maximum sequence length, one epoch, bf16 and
-threads for every tool. The data set is generated here (instruction rows, short and long answers mixed).
-Each tool runs in its own process, interleaved A B C A B C, so peak RSS is per tool and load drifts hit
-all of them alike. Per tool: the best over repeats of the process and job wall times, real
-(non-padding) tokens/s, peak RSS, eval loss on the same held-out rows (one shared evaluation), and MFU
-against a matmul probe of this machine in bf16 and fp32; then the ratios workbench/TRL and workbench/plain.
+Same model, data, LoRA configuration, tokens per optimizer step, maximum sequence length, one epoch,
+bf16 autocast and threads for every tool. The data set is generated here (instruction rows, short and
+long answers mixed). Each tool runs in its own process, interleaved A B C A B C, so peak RSS is per
+tool and load drifts hit all of them alike. Per tool: the best over repeats of the process and job
+wall times (other work on the machine only ever adds time), CPU seconds, real (non-padding) tokens/s,
+peak RSS, the eval loss on the same held-out rows (one shared evaluation for all tools) and MFU against
+a matmul probe of this machine in bf16 and fp32; then the ratios workbench/TRL and workbench/plain.
 
-Effective batch: `--batch` samples per optimizer step for TRL (no packing); the packing tools take
-`--packs` sequences of max_seq_len per step, the same tokens per step on average (see the steps column).
+Each peer gets its fastest documented settings for this job: TRL packs (`packing=True`, best-fit
+decreasing, padding-free) without gradient checkpointing (measured faster than its unpacked, length-
+grouped and checkpointed variants; `--trl-unpacked`, `--trl-sampling`, `--trl-checkpointing` run those);
+the plain loop packs greedily with the same block-diagonal attention. `--batch` samples per step for
+unpacked TRL; the packing tools take `--packs` sequences of max_seq_len per step, the same tokens per
+step on average (see the steps column). The tool `workbench-baseline` is the same loop with
+`training.fast_paths=false` (the libraries' own attention, loss and LoRA paths): what the fast paths are worth.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ JOBS = {
     "quick": dict(model="builtin-quick", train_rows=48, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3),
 }
 LORA = dict(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
-TOOL_NAMES = ("workbench", "workbench+", "trl", "plain")  # workbench+: with the --levers patches
+TOOL_NAMES = ("workbench", "workbench-baseline", "trl", "plain")  # baseline: training.fast_paths=false
 
 
 # -- the parent: build inputs, run the tools interleaved, print the table ---------------------------------
@@ -71,7 +78,6 @@ def job_spec(args, work: Path) -> dict:
             "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"]}
     if args.wb:
         spec["workbench_training"] = dict(_parse_override(o) for o in args.wb)
-    spec["levers"] = [lever for lever in args.levers.split(",") if lever]
     spec["trl"] = {"gradient_checkpointing": args.trl_checkpointing, "train_sampling_strategy": args.trl_sampling,
                    "packing": not args.trl_unpacked}
     return spec
@@ -173,7 +179,7 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
 
 def print_ratios(rows: list[dict]) -> None:
     by_tool = {r["tool"]: r for r in rows if "error" not in r}
-    pairs = [(a, b) for a in ("workbench", "workbench+") for b in ("trl", "plain") if a in by_tool and b in by_tool]
+    pairs = [(a, b) for a in ("workbench", "workbench-baseline") for b in ("trl", "plain") if a in by_tool and b in by_tool]
     for name, peer in pairs:
         ours, other = by_tool[name], by_tool[peer]
         loss = 100 * (ours["eval_loss"] / other["eval_loss"] - 1)
@@ -189,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", choices=[j for j in JOBS if j != "quick"], default="builtin-512")
     parser.add_argument("--quick", action="store_true", help="a tiny model and a few rows: a smoke run")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--tools", help="comma-separated, from workbench,workbench+,trl,plain (default: "
-                        "workbench,trl,plain, and workbench+ when --levers is given)")
+    parser.add_argument("--tools", help="comma-separated, from workbench,workbench-baseline,trl,plain (default: "
+                        "workbench,trl,plain)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-rows", dest="train_rows", type=int)
     parser.add_argument("--eval-rows", dest="eval_rows", type=int)
@@ -205,9 +211,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trl-sampling", default="random", choices=["random", "group_by_length"])
     parser.add_argument("--wb", action="append", default=[], metavar="KEY=VALUE",
                         help="extra workbench training.* setting, e.g. --wb gradient_checkpointing=true")
-    parser.add_argument("--levers", default="", metavar="A,B",
-                        help="proposed workbench changes to measure (tool workbench+): fastpath, packed-attention, "
-                             "chunked-loss, pad64")
     parser.add_argument("--out", help="also write the per-run and summary rows to this JSON file")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier --out file again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         return reprint(Path(args.table))
 
-    tools = args.tools.split(",") if args.tools else [t for t in TOOL_NAMES if t != "workbench+" or args.levers]
+    tools = args.tools.split(",") if args.tools else [t for t in TOOL_NAMES if t != "workbench-baseline"]
     unknown = [t for t in tools if t not in TOOL_NAMES]
     if unknown:
         parser.error(f"unknown tool(s) {unknown}; known: {', '.join(TOOL_NAMES)}")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import resource
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from workbench.metrics import peak_rss_bytes
 
 IGNORE = -100
 
@@ -32,7 +33,7 @@ SETTINGS = {
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_bytes() / 2**20
 
 
 def prompt_completion(row: dict) -> dict:
@@ -142,51 +143,16 @@ def workbench_recipe(spec: dict):
     })
 
 
-def apply_levers(levers: list[str]) -> None:
-    """Proposed changes to the training loop, measured here by patching its names before it runs
-    (each is a one-line change in workbench/train.py; see bench/README or the report)."""
-    import importlib
-
-    loop = importlib.import_module("workbench.train")  # the module: the package exports its train() as `train`
-
-    attach = loop.attach_adapter
-
-    def attach_adapter(model, recipe):
-        from workbench.fastpath import lora_fast_paths
-        from workbench.packed_attention import use_packed_attention
-
-        model = attach(model, recipe)
-        if "fastpath" in levers:  # LoRA input: no float32 copy under autocast, sparse dropout
-            lora_fast_paths(model)
-        if "packed-attention" in levers:  # one causal attention per sample, no (row x row) mask
-            use_packed_attention(model)
-        return model
-
-    loop.attach_adapter = attach_adapter
-    if "chunked-loss" in levers:  # LM head over target positions only, a chunk of logits at a time
-        from workbench.lm_loss import lm_loss_sum
-
-        loop.causal_lm_loss_sum = lm_loss_sum
-    if "pad64" in levers:  # batch widths a multiple of 64: CPU matmul kernels are built once per shape
-        from functools import partial
-
-        loop.Collator = partial(loop.Collator, pad_to_multiple_of=64)
-    unknown = set(levers) - set(LEVERS)
-    if unknown:
-        raise ValueError(f"unknown lever(s) {sorted(unknown)}; known: {', '.join(LEVERS)}")
-
-
-LEVERS = ("fastpath", "packed-attention", "chunked-loss", "pad64")
-
-
 def run_workbench(spec: dict) -> dict:
     import workbench as wb
     from peft import PeftModel
 
-    levers = spec["levers"] if spec["tool"] == "workbench+" else []
-    apply_levers(levers)
+    baseline = spec["tool"] == "workbench-baseline"
     started = time.perf_counter()
-    result = wb.train(workbench_recipe(spec), overwrite=True, progress_bar=False)
+    recipe = workbench_recipe(spec)
+    if baseline:  # the loop on the libraries' own paths, to show what the fast paths are worth
+        recipe = recipe.override("training.fast_paths=false")
+    result = wb.train(recipe, overwrite=True, progress_bar=False)
     clock = stop_clock(started)
     summary = result.summary
     model = PeftModel.from_pretrained(load_model(spec), str(result.run_dir / "adapter"))
@@ -195,8 +161,7 @@ def run_workbench(spec: dict) -> dict:
     settings = SETTINGS["workbench"].format(packs=spec["packs_per_step"], seq=spec["max_seq_len"])
     if spec.get("workbench_training"):
         settings += f", {spec['workbench_training']}"
-    if levers:
-        settings += f", with the proposed patches: {', '.join(levers)}"
+    settings += ", training.fast_paths=false" if baseline else ", training.fast_paths=true (the default)"
     report = finish(spec, spec["tool"], clock, summary["train_s"], summary["tokens"], summary["steps"], model,
                     lengths, settings)
     report["own_mfu"] = summary["mfu"]
@@ -317,7 +282,7 @@ def run_plain(spec: dict) -> dict:
     return finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings)
 
 
-TOOLS = {"workbench": run_workbench, "workbench+": run_workbench, "trl": run_trl, "plain": run_plain}
+TOOLS = {"workbench": run_workbench, "workbench-baseline": run_workbench, "trl": run_trl, "plain": run_plain}
 
 
 def run_tool(spec: dict) -> dict:

@@ -132,14 +132,26 @@ def test_collator_targets_never_cross_samples():
     assert int(batch["num_tokens"]) == 7
 
 
-def test_packed_losses_equal_samples_run_one_by_one(tiny_path, tiny_tokenizer):
-    """The proof that packing does not leak: each token's loss is the same packed or alone."""
+def token_losses(model, batch) -> torch.Tensor:
+    """Per-token losses, shaped like the batch (0 where there is no target)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                               ignore_index=IGNORE, reduction="none")
+    return losses.view(batch["labels"].shape)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "per-sample"])
+def test_packed_losses_equal_samples_run_one_by_one(tiny_path, tiny_tokenizer, attention):
+    """The proof that packing does not leak: each token's loss is the same packed or alone
+    (with transformers' block-diagonal sdpa mask, and with the loop's per-sample attention)."""
     import datasets
     from transformers import AutoModelForCausalLM
 
-    from workbench.train import token_losses
+    from workbench.packed_attention import use_packed_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    if attention == "per-sample":
+        assert use_packed_attention(model)
     rows = [tokenize_row(r, tiny_tokenizer, cfg(train_on="all"), "x") for r in (
         CHAT, {"messages": [{"role": "user", "content": "Tell me a short story."},
                             {"role": "assistant", "content": "The robot learns the data. A student reads."}]},

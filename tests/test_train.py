@@ -131,3 +131,16 @@ def test_tensorboard_tracker_and_cli_tools(tiny_recipe, capsys):
     args = ["generate", str(result.run_dir), "--prompt", "What is 2 plus 2?", "--max-new-tokens", "5"]
     assert main(args) == 0
     assert capsys.readouterr().out == generate(result.run_dir, "What is 2 plus 2?", max_new_tokens=5) + "\n"
+
+
+def test_peak_memory_is_the_process_own_not_an_inherited_one():
+    """ru_maxrss survives exec on Linux: a run started by a large process must not report that process's peak."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(768 * 2**20)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page so it is resident
+    code = "from workbench.metrics import peak_rss_bytes; print(peak_rss_bytes())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 600 * 2**20, "the child reported its parent's peak"
+    del ballast

@@ -418,3 +418,15 @@ def test_stop_sends_sigint_and_resume_continues(root):
     log = h.jobs.log_tail("long")
     assert "$ workbench train .workbench-ui/jobs/long/recipe.yaml --overwrite --no-progress" in log
     assert "$ workbench train runs/long/recipe.yaml --resume --no-progress" in log
+
+
+def test_every_plot_of_the_page_renders_the_charts_figures(tmp_path):
+    """Each plot component accepts the charts' figures as matplotlib images (not a Gradio type error)."""
+    from ui.app import build_app
+
+    plots = [block for block in build_app(tmp_path).blocks.values() if type(block).__name__ == "FigurePlot"]
+    assert len(plots) >= 6
+    assert {plot.get_block_name() for plot in plots} == {"plot"}  # the page draws them with Gradio's own Plot
+    for plot in plots:
+        data = plot.postprocess(charts.empty("nothing yet"))
+        assert data.type == "matplotlib" and data.plot.startswith("data:image/png;base64,")

@@ -15,12 +15,27 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
+from gradio import processing_utils  # noqa: E402
+from gradio.components.plot import PlotData  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from . import form, style  # noqa: E402
 from .handlers import SECTIONS, Handlers, status_html  # noqa: E402
 from .workspace import Workspace  # noqa: E402
 
 POLL_SECONDS = 2.0
+
+
+class FigurePlot(gr.Plot):
+    """A gr.Plot for any matplotlib Figure: Gradio spots matplotlib by module name, which the charts'
+    Figure subclass (workbench.charts.WorkbenchFigure) does not carry."""
+
+    is_template = True  # Gradio's mark for a subclass that keeps its parent's front-end component
+
+    def postprocess(self, value):
+        if isinstance(value, Figure):
+            return PlotData(type="matplotlib", plot=processing_utils.encode_plot_to_base64(value, self.format))
+        return super().postprocess(value)
 
 
 def _skip(values):
@@ -166,7 +181,7 @@ def build_app(root: str | Path = ".") -> gr.Blocks:
                         est_btn = gr.Button("Estimate", variant="primary", elem_id="estimate-btn")
                     with gr.Column(scale=3):
                         est_status = gr.HTML('<div class="wb-status wb-info">Press Estimate.</div>')
-                        est_plot = gr.Plot(label="memory per device", format="png", show_label=False,
+                        est_plot = FigurePlot(label="memory per device", format="png", show_label=False,
                                            elem_id="estimate-plot")
                         est_table = gr.Dataframe(label="strategies", interactive=False, elem_classes="wb-table")
                 est_btn.click(h.estimate, [yaml_code, world, nodes, device, capacity, price],
@@ -190,8 +205,8 @@ def build_app(root: str | Path = ".") -> gr.Blocks:
                         job_status = gr.HTML(elem_id="job-status")
                         progress = gr.HTML(elem_id="job-progress")
                         with gr.Row():
-                            loss_plot = gr.Plot(label="loss", format="png", show_label=False, elem_id="loss-plot")
-                            tps_plot = gr.Plot(label="tokens/s", format="png", show_label=False, elem_id="tps-plot")
+                            loss_plot = FigurePlot(label="loss", format="png", show_label=False, elem_id="loss-plot")
+                            tps_plot = FigurePlot(label="tokens/s", format="png", show_label=False, elem_id="tps-plot")
                         log = gr.Code(label="log (tail)", language="shell", lines=12, max_lines=12,
                                       interactive=False, elem_id="job-log")
                 seen = gr.State(None)
@@ -224,9 +239,9 @@ def build_app(root: str | Path = ".") -> gr.Blocks:
                 table = gr.Dataframe(label="comparison", interactive=False, elem_id="compare-table",
                                      elem_classes="wb-table")
                 with gr.Row():
-                    mem_plot = gr.Plot(label="peak memory", format="png", show_label=False, elem_id="compare-memory")
-                    speed_plot = gr.Plot(label="throughput", format="png", show_label=False, elem_id="compare-speed")
-                curves_plot = gr.Plot(label="loss curves", format="png", show_label=False, elem_id="compare-loss")
+                    mem_plot = FigurePlot(label="peak memory", format="png", show_label=False, elem_id="compare-memory")
+                    speed_plot = FigurePlot(label="throughput", format="png", show_label=False, elem_id="compare-speed")
+                curves_plot = FigurePlot(label="loss curves", format="png", show_label=False, elem_id="compare-loss")
                 csv_file = gr.File(label="CSV export", interactive=False, elem_id="compare-csv")
                 runs_dd.change(h.compare, runs_dd, [table, mem_plot, speed_plot, curves_plot, compare_msg])
                 export_btn.click(h.export_csv, runs_dd, [csv_file, compare_msg])

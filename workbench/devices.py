@@ -152,7 +152,8 @@ def cpu_runtime_bytes() -> int:
         except PackageNotFoundError:
             return "-"
 
-    key = "|".join([sys.version.split()[0], sys.platform] + [ver(p) for p in (
+    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak)
+    key = "|".join(["vmhwm", sys.version.split()[0], sys.platform] + [ver(p) for p in (
         "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers")])
     path = cache_dir() / "estimator" / "cpu_runtime.json"
     try:
@@ -179,8 +180,6 @@ def cpu_runtime_bytes() -> int:
 
 def _probe() -> None:
     """Run in a fresh process: what every training process holds before its model (see cpu_runtime_bytes)."""
-    import resource
-
     import datasets
     import torch
     from accelerate import Accelerator
@@ -190,6 +189,7 @@ def _probe() -> None:
 
     import workbench.train  # noqa: F401  (the whole training stack)
     from workbench.builtin import CHATML_TEMPLATE
+    from workbench.metrics import peak_rss_bytes
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>")
@@ -206,4 +206,4 @@ def _probe() -> None:
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         optimizer.step()
         optimizer.zero_grad()
-    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))

@@ -185,7 +185,7 @@ def score(model, tokenizer, examples: list[Example], max_new_tokens: int, batch_
 @torch.no_grad()
 def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: int) -> tuple[float, int]:
     """Summed next-token loss over every answer token, and how many there were (token-weighted)."""
-    from .train import causal_lm_loss_sum  # the very loss training reports
+    from .lm_loss import lm_loss_sum  # the very loss training reports
 
     collate = Collator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
@@ -196,7 +196,7 @@ def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: 
         batch = collate([{"input_ids": e.input_ids, "labels": e.labels,
                           "position_ids": list(range(len(e.input_ids)))} for e in chunk])
         batch = {k: v.to(device) for k, v in batch.items()}
-        loss_sum += float(causal_lm_loss_sum(model, batch))
+        loss_sum += float(lm_loss_sum(model, batch))
         targets += int((batch["labels"] != IGNORE).sum())
     return loss_sum, targets
 

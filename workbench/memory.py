@@ -21,7 +21,8 @@ from .recipe import Recipe
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
-CPU_HEAP_GROWTH = 1.7  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap, measured)
+CPU_HEAP_GROWTH = 1.5  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap: 1.3 measured
+# when the tokenized data is cached, 1.7 when the run tokenizes first)
 TOKENIZER_BYTES_PER_ENTRY = 1200  # RSS of a loaded fast tokenizer per vocabulary entry (measured)
 CHARS_PER_TOKEN = 4  # token count of a data file, approximated from its text
 QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights
@@ -183,6 +184,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         "trainable_params": trainable, "trainable_numels": numels, "weights": weights, "adapter": adapter,
         "gradients": gradients, "optimizer": optimizer, "activations": acts["saved"] + acts["loss"],
         "saved_activations": acts["saved"], "logits_and_loss": acts["loss"],
+        "activations_full_logits": acts["saved"] + acts["loss_full_logits"],
         "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
         "gathered_weights": _gathered_bytes(recipe, info),
         "master_weights": 4 * trainable if train_bytes < 4 else 0,
@@ -295,6 +297,13 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     in_layer = [lin for lin in targets if lin.in_layer]
     if method == "full":
         layer += a * _distinct_inputs([lin for lin in info.linears if lin.in_layer])
+    elif fast_lora_inputs(recipe):
+        # the loop's fast path: the input stays in the autocast dtype; dropout keeps its output and, on a
+        # CPU, the int64 positions it dropped (p of them); without dropout the input is shared
+        if adapter.dropout > 0:
+            layer += sum(lin.in_features for lin in in_layer) * (a + (1 if on_gpu else 8 * adapter.dropout))
+        else:
+            layer += a * _distinct_inputs(in_layer)
     elif autocast or adapter.dropout > 0 or resid != 4:
         # peft casts the input to fp32 (then autocast to 16 bit) or drops it out: a copy per module;
         # dropout also keeps its mask: bool on CUDA, a float noise tensor on CPU.
@@ -305,15 +314,43 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     layer += sum(adapter.r * lora + (2 * a * lin.out_features if method == "dora" else 0) for lin in in_layer)
     checkpointed = resid * h  # only the layer input survives; backward recomputes the rest
     saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
-    # fp32 log-probabilities, the gradient flowing into them and the one they produce (more than the
-    # forward's logits + fp32 upcast); backward through one layer needs about one layer again.
-    loss = tokens * max(12 * info.vocab, (2 if train.gradient_checkpointing else 1) * layer)
+    # Full logits: fp32 log-probabilities, the gradient flowing into them and the one they produce (more
+    # than the forward's logits + fp32 upcast). Chunked (workbench/lm_loss.py): the hidden states, their
+    # gradient computed in forward and its scaled copy, and one chunk of logits at a time. Backward through
+    # one layer needs about one layer again.
+    one_layer = (2 if train.gradient_checkpointing else 1) * layer
+    loss_full = tokens * max(12 * info.vocab, one_layer)
+    loss = loss_full
+    if chunked_loss(recipe, info):
+        from .lm_loss import CHUNK_ELEMENTS
+
+        head_copy = 2 * info.vocab * h if method == "qlora" or recipe.model.dtype == "float32" else 0
+        chunk = min(tokens * info.vocab, CHUNK_ELEMENTS)
+        loss = max(tokens * 3 * resid * h + 3 * 4 * chunk + head_copy, tokens * one_layer)
     copies = 0.0
     if autocast and method != "full":  # fp32 adapter weights, cast once per forward and kept for backward
         copies += 2 * sum(adapter.r * (lin.in_features + lin.out_features) for lin in targets)
     if autocast and recipe.model.dtype == "float32" and method != "qlora":  # bf16 copies of fp32 weights
         copies += 2 * info.linear_params / (info.layers if train.gradient_checkpointing else 1)
-    return {"saved": int(saved), "loss": int(loss), "autocast_copies": int(copies)}
+    return {"saved": int(saved), "loss": int(loss), "loss_full_logits": int(loss_full),
+            "autocast_copies": int(copies)}
+
+
+def fast_lora_inputs(recipe: Recipe) -> bool:
+    """Whether workbench/fastpath.py handles the LoRA layers' inputs (plain LoRA on 16-bit or fp32 Linears)."""
+    return recipe.training.fast_paths and recipe.adapter.method == "lora" and (
+        recipe.training.mixed_precision != "no" or recipe.adapter.dropout > 0)
+
+
+def chunked_loss(recipe: Recipe, info: ModelInfo) -> bool:
+    """Whether the loop's loss runs the head a chunk at a time (a plain head: no LoRA or trained copy on it).
+    Under FSDP and ZeRO-3 the head is sharded and the full logits come back (see _strategy)."""
+    if not recipe.training.fast_paths or recipe.adapter.method == "full":  # full: the head stays a plain Linear
+        return recipe.training.fast_paths
+    head = info.head or ""
+    adapted = {lin.name for lin in lora_targets(recipe, info)}
+    wrapped = head in adapted or _named(head, recipe.adapter.modules_to_save or [])
+    return not wrapped
 
 
 def _distinct_inputs(linears: list) -> int:
@@ -364,6 +401,8 @@ def _strategy(name: str, t: dict, dev: Device, world_size: int, nodes: int) -> d
         for key in OFFLOADED.get(name, ()):
             offloaded += part[key]
             part[key] = 0
+    if base in ("zero3", "fsdp", "fsdp_hybrid"):  # a sharded head: the loss takes the full-logits path
+        t = {**t, "activations": t["activations_full_logits"]}
     activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
     breakdown = {**part, "activations": activations, "other": other}
     per_device = sum(breakdown.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -29,11 +30,28 @@ GPU_PEAK_FLOPS = {
 }
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux keeps ru_maxrss across exec, so a child of a large process (a test runner, a launcher)
+    would report its parent's peak; VmHWM belongs to the process's own address space.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+
+
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     """(peak MB, what was measured): max allocated on a GPU, process peak RSS on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
+    return peak_rss_bytes() / 2**20, "cpu_peak_rss"
 
 
 def matmul_flops(model) -> int:

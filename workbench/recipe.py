@@ -97,6 +97,10 @@ class TrainingSection(Section):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
     activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
     mixed_precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="autocast precision.")
+    fast_paths: bool = Field(
+        True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
+                          "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
+                          "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     threads: int | None = Field(None, gt=0, description="CPU threads per process (null: cores / local processes).")
 

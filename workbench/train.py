@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .data import IGNORE, Collator, EpochSampler, prepare_data
@@ -23,7 +22,9 @@ from .distributed import (build_accelerator, configure_threads, local_parameter_
                           verify_launch, world_size_from_env)
 from .errors import Interrupted, NonFiniteError, WorkbenchError
 from .export import generate_text
+from .fastpath import apply_fast_paths
 from .launcher import check_launcher_agrees
+from .lm_loss import full_logits_loss_sum, lm_loss_sum
 from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .compat import check_runtime
@@ -121,6 +122,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     check_runtime(recipe, accelerator.device.type, load_config(recipe.model))
     torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
     model = attach_adapter(load_base_model(recipe), recipe)
+    if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
+        apply_fast_paths(model)
+    loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
     ensure_trainable(model)
     total_params, trainable_params = count_parameters(model)
     check_disk_space(recipe, trainable_params)
@@ -154,7 +158,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     if main:  # early, so a watcher (CLI, UI) can show "step i / total" while the run is going
         run.update_json(summary=summary)
     samples = _sample_generations(recipe, model, tokenizer, accelerator) if state.step == 0 else None
-    eval_first = evaluate(model, eval_loader, accelerator) if eval_loader is not None and state.step == 0 else None
+    eval_first = (evaluate(model, eval_loader, accelerator, loss_sum_of)
+                  if eval_loader is not None and state.step == 0 else None)
     if eval_first is not None and main:
         metrics.write({"step": 0, "eval_loss": eval_first})
 
@@ -179,7 +184,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 # DeepSpeed reads the boundary from here; DDP and FSDP skip the all-reduce via no_sync.
                 accelerator.gradient_state._set_sync_gradients(last)
                 with nullcontext() if last else accelerator.no_sync(model), offload():
-                    loss_sum = causal_lm_loss_sum(model, batch)
+                    loss_sum = loss_sum_of(model, batch)
                     # Normalise over every target token of the step on every rank; DDP averages
                     # gradients over ranks, so scale by the world size to undo that mean.
                     accelerator.backward(loss_sum * accelerator.num_processes / targets.clamp(min=1))
@@ -229,7 +234,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
             if eval_loader is not None and recipe.output.eval_every and state.step % recipe.output.eval_every == 0 \
                     and state.step != total_steps:
-                eval_loss = evaluate(model, eval_loader, accelerator)
+                eval_loss = evaluate(model, eval_loader, accelerator, loss_sum_of)
                 metrics.write({"step": state.step, "eval_loss": eval_loss})
                 accelerator.log({"eval_loss": eval_loss}, step=state.step)
 
@@ -252,7 +257,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     bar.close()
 
     # -- the end: final eval, adapter, summary --------------------------------------------------
-    eval_final = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
+    eval_final = evaluate(model, eval_loader, accelerator, loss_sum_of) if eval_loader is not None else None
     if eval_final is not None:
         metrics.write({"step": state.step, "eval_loss": eval_final})
     save_adapter(accelerator, model, tokenizer, run, recipe)
@@ -293,23 +298,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 # -- pieces of the loop ---------------------------------------------------------------------------
 
 
-def causal_lm_loss_sum(model, batch) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (labels are pre-shifted)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-
-
-def token_losses(model, batch) -> torch.Tensor:
-    """Per-token losses, shaped like the batch (0 where there is no target)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                             reduction="none")
-    return losses.view(batch["labels"].shape)
-
-
 @torch.no_grad()
-def evaluate(model, loader, accelerator) -> float | None:
+def evaluate(model, loader, accelerator, loss_sum_of=lm_loss_sum) -> float | None:
     if loader is None:
         return None
     was_training = model.training
@@ -317,7 +307,7 @@ def evaluate(model, loader, accelerator) -> float | None:
     loss = torch.zeros((), device=accelerator.device)
     targets = torch.zeros((), device=accelerator.device)
     for batch in loader:
-        loss += causal_lm_loss_sum(model, batch)
+        loss += loss_sum_of(model, batch)
         targets += (batch["labels"] != IGNORE).sum()
     model.train(was_training)
     loss, targets = accelerator.reduce(loss, reduction="sum"), accelerator.reduce(targets, reduction="sum")

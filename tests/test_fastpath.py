@@ -1,0 +1,217 @@
+"""The faster paths compute what the ordinary ones compute: loss, gradients, attention, dropout statistics."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from workbench.data import IGNORE, Collator
+from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
+from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
+                                plain_head)
+from workbench.packed_attention import PerSampleAttention, sample_spans
+
+
+def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def packed_batch(pad_id=3):
+    """Two packed rows of several samples each, answer tokens as targets, right padding on the second."""
+    gen = torch.Generator().manual_seed(1)
+
+    def sample(n):
+        ids = torch.randint(5, 1000, (n,), generator=gen).tolist()
+        return ids, [IGNORE] * (n // 3) + ids[n // 3:]
+
+    rows = []
+    for lengths in ([30, 12, 50, 8], [40, 25]):
+        samples = [sample(n) for n in lengths]
+        rows.append({"input_ids": [t for s in samples for t in s[0]], "labels": [t for s in samples for t in s[1]],
+                     "position_ids": [p for n in lengths for p in range(n)]})
+    return Collator(pad_id)(rows)
+
+
+def loss_and_grads(model, batch, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_close_grads(a, b, rtol, atol):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+# -- chunked loss ---------------------------------------------------------------------------------
+
+
+def test_chunked_loss_matches_full_logits(tiny_path, monkeypatch):
+    model = lora_model(tiny_path)
+    batch = packed_batch()
+    reference = loss_and_grads(model, batch, full_logits_loss_sum)
+    monkeypatch.setattr("workbench.lm_loss.CHUNK_ELEMENTS", 1024 * 7)  # several chunks, a short last one
+    chunked = loss_and_grads(model, batch, lm_loss_sum)
+    torch.testing.assert_close(chunked[0], reference[0], rtol=1e-5, atol=1e-4)
+    assert_close_grads(chunked[1], reference[1], rtol=1e-3, atol=1e-5)
+
+
+def test_chunked_loss_gradient_of_a_trainable_head():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = IGNORE
+    full = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    expected = torch.autograd.grad(3 * full, (hidden, weight))
+    got = torch.autograd.grad(3 * linear_cross_entropy_sum(hidden, weight, labels), (hidden, weight))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_loss_needs_a_plain_head(tiny_path):
+    assert plain_head(lora_model(tiny_path).get_base_model()) is not None
+    on_head = lora_model(tiny_path, targets=["q_proj", "lm_head"])  # LoRA on the head: ordinary path
+    assert plain_head(on_head.get_base_model()) is None
+    batch = packed_batch()
+    torch.testing.assert_close(lm_loss_sum(on_head, batch), full_logits_loss_sum(on_head, batch))
+
+
+def test_chunked_loss_under_no_grad_and_autocast(tiny_path):
+    model = lora_model(tiny_path)
+    batch = packed_batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked, full = lm_loss_sum(model, batch), full_logits_loss_sum(model, batch)
+    assert not chunked.requires_grad
+    torch.testing.assert_close(chunked, full, rtol=2e-2, atol=0.0)
+
+
+# -- per-sample attention ---------------------------------------------------------------------------
+
+
+def test_per_sample_attention_matches_a_block_diagonal_mask():
+    torch.manual_seed(0)
+    lengths = [[7, 20, 5], [16, 16]]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    segment = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    mask = ((segment[:, :, None] == segment[:, None, :]) & torch.ones(32, 32, dtype=torch.bool).tril())[:, None]
+    q = torch.randn(2, 4, 32, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(2, 4, 32, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    got = PerSampleAttention.apply(q, k, v, sample_spans(positions, 2), 8 ** -0.5)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_sample_spans_start_wherever_positions_do_not_continue():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
+    assert sample_spans(positions, 2) == [[(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 6)]]
+
+
+def test_packed_attention_model_matches_sdpa(tiny_path):
+    model = lora_model(tiny_path)
+    batch = packed_batch()
+    reference = loss_and_grads(model, batch, full_logits_loss_sum)
+    assert apply_fast_paths(model)["packed_attention"]
+    assert model.config._attn_implementation == "sdpa_packed"
+    packed = loss_and_grads(model, batch, full_logits_loss_sum)
+    torch.testing.assert_close(packed[0], reference[0], rtol=1e-5, atol=1e-4)
+    assert_close_grads(packed[1], reference[1], rtol=1e-3, atol=1e-5)
+
+
+def test_packed_attention_leaves_generation_alone(tiny_path, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa")
+    prompts = tiny_tokenizer(["The model reads", "A student writes the answer"], return_tensors="pt", padding=True,
+                             padding_side="left")
+    single = tiny_tokenizer("The robot learns", return_tensors="pt")
+    before = [model.generate(**x, max_new_tokens=8, do_sample=False) for x in (prompts, single)]
+    apply_fast_paths(model)
+    after = [model.generate(**x, max_new_tokens=8, do_sample=False) for x in (prompts, single)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# -- LoRA input path and dropout ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_lora_fast_paths_change_nothing_without_dropout(tiny_path, autocast):
+    model = lora_model(tiny_path, dtype=torch.bfloat16 if autocast else torch.float32)
+    batch = packed_batch()
+
+    def loss_fn(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return full_logits_loss_sum(m, b)
+
+    reference = loss_and_grads(model, batch, loss_fn)
+    assert lora_fast_paths(model) > 0
+    fast = loss_and_grads(model, batch, loss_fn)
+    torch.testing.assert_close(fast[0], reference[0], rtol=0, atol=0)
+    assert_close_grads(fast[1], reference[1], rtol=0, atol=0)
+
+
+def test_lora_fast_paths_swap_the_dropout(tiny_path):
+    model = lora_model(tiny_path, dropout=0.1)
+    lora_fast_paths(model)
+    dropouts = [m for m in model.modules() if isinstance(m, SparseDropout)]
+    assert dropouts and all(d.p == 0.1 for d in dropouts)
+    model.train()
+    packed = packed_batch()
+    full_logits_loss_sum(model, packed).backward()  # trains through it
+
+
+def test_sparse_dropout_has_the_dropout_distribution():
+    torch.manual_seed(0)
+    n, p = 2_000_000, 0.05
+    dropped = dropped_positions(n, p, "cpu")
+    assert torch.all(dropped[1:] > dropped[:-1]) and 0 <= int(dropped[0]) and int(dropped[-1]) < n
+    assert abs(len(dropped) / n - p) < 5 * (p * (1 - p) / n) ** 0.5
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[dropped] = True
+    both = (mask[1:] & mask[:-1]).float().mean().item()  # neighbours independent: p squared
+    assert abs(both - p * p) < 5 * (p * p / n) ** 0.5
+
+
+def test_sparse_dropout_scales_and_masks_the_gradient_alike():
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, requires_grad=True)
+    layer = SparseDropout(0.2).train()
+    y = layer(x)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / 0.8)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, kept.float() / 0.8)
+    assert torch.equal(layer.eval()(x), x)
+
+
+def test_chunked_loss_runs_the_head_in_the_forwards_autocast_dtype(tiny_path):
+    """accelerate applies autocast inside the model's forward only: the head must still run in bf16."""
+    model = lora_model(tiny_path)
+    forward = model.forward
+    model.forward = lambda *a, **k: torch.autocast("cpu", dtype=torch.bfloat16)(forward)(*a, **k)
+    batch = packed_batch()
+    name, _ = plain_head(model.get_base_model())
+    with torch.no_grad(), head_bypassed(model.get_base_model(), name) as passthrough:
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    assert passthrough.autocast_dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(lm_loss_sum(model, batch), full_logits_loss_sum(model, batch), rtol=1e-3, atol=0.0)
+
+
+def test_lora_fast_paths_leave_dora_alone(tiny_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa")
+    dora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True,
+                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert lora_fast_paths(dora) == 0
+    assert not any(isinstance(m, SparseDropout) for m in dora.modules())
