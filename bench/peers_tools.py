@@ -23,7 +23,7 @@ IGNORE = -100
 
 # What each tool is given beyond the job itself, printed with the results.
 SETTINGS = {
-    "workbench": "packing: true (best-fit, block-diagonal attention), {packs} packs of {seq} per step",
+    "workbench": "packing: true (best-fit), {packs} packs of {seq} per step",
     "trl": "SFTTrainer, packing={packing} (bfd, padding-free when true), per_device_train_batch_size={batch}, "
            "gradient_checkpointing={gradient_checkpointing}, train_sampling_strategy={train_sampling_strategy}, "
            "prompt-completion rows (completion-only loss), fused LM head (TRL's default)",

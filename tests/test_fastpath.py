@@ -114,6 +114,20 @@ def test_per_sample_attention_matches_a_block_diagonal_mask():
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
 
+def test_per_sample_attention_backward_with_mixed_dtypes():
+    """8-bit layers hand float32 queries and gradients next to bfloat16 keys and values (the forward ran
+    under autocast): the backward computes in one dtype and returns each gradient in its input's dtype."""
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = PerSampleAttention.apply(q, k, v, sample_spans(positions, 1), 8 ** -0.5)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(1, 4, 16, 8))
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert all(torch.isfinite(g.float()).all() and g.abs().sum() > 0 for g in grads)
+
+
 def test_sample_spans_start_wherever_positions_do_not_continue():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
     assert sample_spans(positions, 2) == [[(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 6)]]

@@ -95,11 +95,13 @@ class PerSampleAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out = ctx.saved_tensors
+        # q, k, v may differ in dtype (autocast fed SDPA; 8-bit layers return float32): compute in q's
+        dtype = query.dtype
         grads = [torch.zeros_like(t) if needed else None
                  for t, needed in zip((query, key, value), ctx.needs_input_grad[:3])]
         for b, row in enumerate(ctx.spans):
             for start, end in row:
-                pieces = [t[b, :, start:end] for t in (query, key, value, out, grad_out)]
+                pieces = [t[b, :, start:end].to(dtype) for t in (query, key, value, out, grad_out)]
                 for grad, piece in zip(grads, _span_backward(*pieces, ctx.scale)):
                     if grad is not None:
                         grad[b, :, start:end] = piece
