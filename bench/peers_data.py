@@ -8,10 +8,7 @@ templates, so a model can learn it and the eval loss moves.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 NAMES = ["Ada", "Bruno", "Chen", "Dalia", "Emeka", "Freya", "Goran", "Hana", "Ivo", "Jun", "Kira", "Lena"]
@@ -136,23 +133,9 @@ MODEL_VERSION = "v1"
 
 def model_folder(size: str) -> Path:
     """A transformers folder built the way `builtin:tiny` is (byte-level BPE, random Llama), only larger."""
-    from workbench.builtin import cache_dir
+    from workbench.builtin import built_once
 
-    target = cache_dir() / "models" / f"bench-{size}-{MODEL_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".bench-{size}-", dir=target.parent))
-    try:
-        build_model(staging, *MODEL_SIZES[size])
-        try:
-            os.rename(staging, target)  # atomic: another process may have built it meanwhile
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return built_once(f"bench-{size}-{MODEL_VERSION}", lambda staging: build_model(staging, *MODEL_SIZES[size]))
 
 
 def tokenizer_corpus() -> list[str]:

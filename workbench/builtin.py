@@ -52,11 +52,16 @@ def resolve_builtin(path: str) -> Path:
     if name not in _BUILDERS:
         raise ModelError(f"model.path: unknown builtin model '{path}' (known: {', '.join(builtin_names())})")
     version, build = _BUILDERS[name]
-    target = cache_dir() / "models" / version
+    return built_once(version, build)
+
+
+def built_once(folder: str, build) -> Path:
+    """cache/models/<folder>, made by `build(staging_folder)` the first time and renamed into place."""
+    target = cache_dir() / "models" / folder
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=target.parent))
     try:
         build(staging)
         try:
