@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from workbench.data import IGNORE
 from workbench.metrics import peak_rss_bytes
-
-IGNORE = -100
 
 # What each tool is given beyond the job itself, printed with the results.
 SETTINGS = {

@@ -7,6 +7,7 @@ adapters trained on it name a path that plain transformers/peft can load.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -36,6 +37,23 @@ def cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("lora-workbench"))
+
+
+def read_cache_json(name: str) -> dict:
+    """A small JSON table under cache_dir()/estimator ({} when missing or unreadable)."""
+    try:
+        return json.loads((cache_dir() / "estimator" / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache_json(name: str, data: dict) -> None:
+    """Replace the table atomically: several processes (ranks, tests) may write it at once."""
+    path = cache_dir() / "estimator" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def is_builtin(path: str) -> bool:

@@ -144,7 +144,7 @@ def cpu_runtime_bytes() -> int:
     """
     from importlib.metadata import PackageNotFoundError, version
 
-    from .builtin import cache_dir
+    from .builtin import read_cache_json, write_cache_json
 
     def ver(name):
         try:
@@ -155,11 +155,7 @@ def cpu_runtime_bytes() -> int:
     # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak)
     key = "|".join(["vmhwm", sys.version.split()[0], sys.platform] + [ver(p) for p in (
         "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers")])
-    path = cache_dir() / "estimator" / "cpu_runtime.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_cache_json("cpu_runtime.json")
     if key in cached:
         return int(cached[key])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
@@ -170,11 +166,7 @@ def cpu_runtime_bytes() -> int:
     if result.returncode or not lines:
         raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
     measured = int(json.loads(lines[-1])["peak_rss_bytes"])
-    cached[key] = measured
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cached, indent=1))
-    os.replace(tmp, path)
+    write_cache_json("cpu_runtime.json", {**cached, key: measured})
     return measured
 
 

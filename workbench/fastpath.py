@@ -21,12 +21,11 @@ import types
 import torch
 
 
-def apply_fast_paths(model, attention: bool = True) -> dict:
+def apply_fast_paths(model) -> dict:
     """Per-sample attention for packed rows (models on `sdpa`) and the cheaper LoRA input path; says what changed."""
     from .packed_attention import use_packed_attention
 
-    return {"lora_layers": lora_fast_paths(model),
-            "packed_attention": use_packed_attention(model) if attention else False}
+    return {"lora_layers": lora_fast_paths(model), "packed_attention": use_packed_attention(model)}
 
 
 def lora_fast_paths(model) -> int:

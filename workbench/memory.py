@@ -345,8 +345,10 @@ def fast_lora_inputs(recipe: Recipe) -> bool:
 def chunked_loss(recipe: Recipe, info: ModelInfo) -> bool:
     """Whether the loop's loss runs the head a chunk at a time (a plain head: no LoRA or trained copy on it).
     Under FSDP and ZeRO-3 the head is sharded and the full logits come back (see _strategy)."""
-    if not recipe.training.fast_paths or recipe.adapter.method == "full":  # full: the head stays a plain Linear
-        return recipe.training.fast_paths
+    if not recipe.training.fast_paths:
+        return False
+    if recipe.adapter.method == "full":  # the head stays a plain Linear, trained in place
+        return True
     head = info.head or ""
     adapted = {lin.name for lin in lora_targets(recipe, info)}
     wrapped = head in adapted or _named(head, recipe.adapter.modules_to_save or [])

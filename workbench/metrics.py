@@ -102,7 +102,8 @@ def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, 
             if key in name:
                 return flops, f"datasheet:{key}"
     measured = _matmul_probe(device_type, getattr(torch, dtype_name))
-    return _best_seen(f"{device_type}|{dtype_name}|{threads}|{_cpu_model()}", measured), f"probe:{dtype_name}:{threads}threads"
+    best = _best_seen(f"{device_type}|{dtype_name}|{threads}|{_cpu_model()}", measured)
+    return best, f"probe:{dtype_name}:{threads}threads"
 
 
 def _cpu_model() -> str:
@@ -116,23 +117,16 @@ def _cpu_model() -> str:
 def _best_seen(key: str, measured: float) -> float:
     """The highest probe result seen on this machine: a peak is a property of the hardware, and a
     probe that shares the cores with another busy thread only ever reads low."""
-    from .builtin import cache_dir
+    from .builtin import read_cache_json, write_cache_json
 
-    path = cache_dir() / "estimator" / "matmul_peak.json"
+    seen = read_cache_json("matmul_peak.json")
+    if measured <= seen.get(key, 0.0):
+        return float(seen[key])
     try:
-        seen = json.loads(path.read_text())
-    except (OSError, ValueError):
-        seen = {}
-    best = max(measured, float(seen.get(key, 0.0)))
-    if best > seen.get(key, 0.0):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**seen, key: best}, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache costs accuracy, never the run
-    return best
+        write_cache_json("matmul_peak.json", {**seen, key: measured})
+    except OSError:
+        pass  # a read-only cache costs accuracy, never the run
+    return measured
 
 
 def _matmul_probe(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:

@@ -12,7 +12,6 @@ import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
