@@ -187,3 +187,14 @@ def test_sampler_order_is_seeded_per_epoch():
     second = list(sampler)
     sampler.set_epoch(0)
     assert list(sampler) == first and second != first and sorted(second) == list(range(10))
+
+
+def test_a_field_that_changes_type_is_named_with_both_lines(tmp_path):
+    """A leading blank line and a field that turns from boolean to list: the JSON reader gives up with
+    a bare parse error; the workbench names the row and the one that set the type."""
+    from workbench.data import load_rows
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('\n{"id": null, "source": false, "text": "0"}\n{"source": [], "text": "0"}')
+    with pytest.raises(DataError, match=rf"{path}:3: field 'source' is a list here but a boolean at {path}:2"):
+        load_rows(str(path))

@@ -75,6 +75,7 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                         raise DataError(f"{where(i)}: {problem}") from None
                     if check_row is not None:
                         check_row(row, where(i))
+                _check_field_types(local, where)
             elif local.suffix.lower() == ".csv":
                 _check_utf8(local)
             raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
@@ -155,6 +156,29 @@ def _arrow_refuses(line: str, row: dict) -> str | None:
     if depth > MAX_JSON_DEPTH:
         return f"nested {depth} levels deep, more than the JSON reader's {MAX_JSON_DEPTH}"
     return None
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}[type(value)]
+
+
+def _check_field_types(path: Path, where: Callable[[int], str]) -> None:
+    """A column must keep one JSON type (null aside): name the first row where a field changes it."""
+    first_seen: dict[str, tuple[str, int]] = {}
+    for i, (_, line) in enumerate(_json_lines(path)):
+        row = json.loads(line)
+        for field_name, value in (row.items() if isinstance(row, dict) else ()):
+            if value is None:
+                continue
+            kind = _json_kind(value)
+            seen_kind, seen_at = first_seen.setdefault(field_name, (kind, i))
+            if kind != seen_kind:
+                raise DataError(f"{where(i)}: field '{field_name}' is {kind} here but {seen_kind} at "
+                                f"{where(seen_at)} (a column keeps one type)")
 
 
 def _check_utf8(path: Path) -> None:
