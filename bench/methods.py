@@ -1,10 +1,12 @@
 """Adapter methods and memory savers side by side: peak memory and tokens/s as ratios to plain LoRA.
 
-    python bench/methods.py                         # SmolLM2-135M, bf16, CPU (about 6 minutes)
+    python bench/methods.py                         # SmolLM2-135M, precision auto, CPU (about 6 minutes)
     python bench/methods.py --model builtin:tiny --steps 3 --only lora,qlora   # a quick smoke run
 
 Each configuration trains in its own process (peak RSS is a per-process high-water mark) on the same
-recipe, data and number of steps; the figures come from each run's run.json.
+recipe, data and number of steps; the figures come from each run's run.json. Precision is the recipe's
+`auto`, resolved for this machine (bf16 where the CPU computes it natively, else float32) and printed in
+the header, so the figures are reproducible on either kind of CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def run_config(name: str, overrides: list[str], args, out: Path) -> dict:
         return {"name": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     summary = json.loads((out / name.replace("+", "-") / "run.json").read_text())["summary"]
     return {"name": name, "peak_memory_mb": summary["peak_memory_mb"], "tokens_per_s": summary["tokens_per_s"],
-            "trainable_params": summary["trainable_params"], "final_loss": summary["final_loss"]}
+            "trainable_params": summary["trainable_params"], "final_loss": summary["final_loss"],
+            "precision": f"{summary['model_dtype']} weights, mixed_precision {summary['mixed_precision']}",
+            "precision_reason": summary["precision_reason"]}
 
 
 def main() -> None:
@@ -68,7 +72,8 @@ def main() -> None:
             rows.append(run_config(name, CONFIGS[name], args, Path(tmp)))
 
     base = next((r for r in rows if r["name"] == "lora" and "error" not in r), None)
-    print(f"\n{args.model}, {args.steps} steps x {args.batch} x {args.seq} tokens, bf16, {args.threads} threads")
+    precision = f"{base['precision']} ({base['precision_reason']})" if base else "see each run"
+    print(f"\n{args.model}, {args.steps} steps x {args.batch} x {args.seq} tokens, {args.threads} threads, {precision}")
     print(f"{'configuration':20} {'trainable':>12} {'peak MB':>9} {'x lora':>7} {'tokens/s':>9} {'x lora':>7}")
     for r in rows:
         if "error" in r:

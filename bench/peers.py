@@ -6,7 +6,8 @@
     python bench/peers.py --job smollm2 --tools workbench,workbench-baseline,trl,plain   # + fast paths off
 
 Same model, data, LoRA configuration, tokens per optimizer step, maximum sequence length, one epoch,
-bf16 autocast and threads for every tool. The data set is generated here (instruction rows, short and
+precision and threads for every tool: the precision the workbench's `auto` resolves to on this machine
+(bf16 autocast over bf16 weights where the CPU computes bf16 natively, else float32), printed in the header. The data set is generated here (instruction rows, short and
 long answers mixed). Each tool runs in its own process, interleaved A B C A B C, so peak RSS is per
 tool and load drifts hit all of them alike. Per tool: the best over repeats of the process and job
 wall times (other work on the machine only ever adds time), CPU seconds, real (non-padding) tokens/s,
@@ -75,12 +76,25 @@ def job_spec(args, work: Path) -> dict:
     spec = {**LORA, "model": resolve_model(job["model"]), "model_name": job["model"], "train": str(train),
             "eval": str(evaluation), "max_seq_len": job["max_seq_len"], "batch": job["batch"],
             "packs_per_step": job["packs"], "lr": job["lr"], "warmup_ratio": 0.05, "seed": 42,
-            "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"]}
+            "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"],
+            **job_precision(args.threads)}
     if args.wb:
         spec["workbench_training"] = dict(_parse_override(o) for o in args.wb)
     spec["trl"] = {"gradient_checkpointing": args.trl_checkpointing, "train_sampling_strategy": args.trl_sampling,
                    "packing": not args.trl_unpacked}
     return spec
+
+
+def job_precision(threads: int) -> dict:
+    """What the workbench's `auto` precision resolves to here: every tool then runs that precision."""
+    import torch
+    from workbench import Recipe
+    from workbench.precision import local_kind, resolve
+
+    torch.set_num_threads(threads)
+    precision = resolve(Recipe(), local_kind())
+    return {"model_dtype": precision.model_dtype, "mixed_precision": precision.mixed_precision,
+            "precision_reason": precision.reason}
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -155,7 +169,8 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
     print(f"\njob: {spec['model_name']} | {spec['train_rows']} train rows, {spec['eval_rows']} held-out rows | "
           f"LoRA r={spec['r']} alpha={spec['alpha']} dropout={spec['dropout']} {spec['target_modules']} | "
           f"max_seq_len {spec['max_seq_len']} | {spec['batch']} samples/step (packing tools: "
-          f"{spec['packs_per_step']} packs/step) | lr {spec['lr']} cosine | 1 epoch | bf16 | {spec['threads']} threads")
+          f"{spec['packs_per_step']} packs/step) | lr {spec['lr']} cosine | 1 epoch | {spec['threads']} threads")
+    print(f"precision: {spec['model_dtype']} weights, autocast {spec['mixed_precision']} ({spec['precision_reason']})")
     print(f"measured peak: bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s "
           f"(1024² matmul, {spec['threads']} threads) | load average: {' -> '.join(loads)}")
     head = (f"{'tool':10} {'process s':>9} {'job s':>7} {'loop s':>7} {'cpu s':>7} {'steps':>5} {'tokens':>7} {'tokens/s':>8} "

@@ -56,7 +56,13 @@ def lora_config(spec: dict):
 def load_model(spec: dict):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["model_dtype"]),
+                                                attn_implementation="sdpa")
+
+
+def autocast(spec: dict):
+    """The job's autocast (bf16 where this CPU computes it natively), or none: every tool runs the same precision."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["mixed_precision"] == "bf16")
 
 
 def load_tokenizer(spec: dict):
@@ -90,14 +96,14 @@ def reference_samples(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
 
 
 @torch.no_grad()
-def eval_loss(model, samples: list[dict]) -> float:
+def eval_loss(model, samples: list[dict], spec: dict) -> float:
     """Mean next-token loss over every answer token of the held-out rows, one row at a time (no padding)."""
     model.eval()
     total, targets = 0.0, 0
     for sample in samples:
         ids = torch.tensor([sample["input_ids"]])
         labels = torch.tensor(sample["labels"][1:])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(spec):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
         total += float(F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum"))
         targets += int((labels != IGNORE).sum())
@@ -114,7 +120,7 @@ def finish(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, steps
            settings: str) -> dict:
     """What every tool reports, the eval loss computed the same way for all."""
     tokenizer = load_tokenizer(spec)
-    loss = eval_loss(model, reference_samples(spec, read_rows(spec["eval"]), tokenizer))
+    loss = eval_loss(model, reference_samples(spec, read_rows(spec["eval"]), tokenizer), spec)
     return {"tool": tool, "settings": settings, **clock, "loop_s": round(loop_s, 2), "tokens": tokens,
             "steps": steps, "flops": model_flops(model, lengths), "eval_loss": round(loss, 5),
             "threads": torch.get_num_threads()}
@@ -128,14 +134,14 @@ def workbench_recipe(spec: dict):
 
     return Recipe.from_dict({
         "name": "peers-workbench",
-        "model": {"path": spec["model"], "dtype": "bfloat16", "attn": "sdpa"},
+        "model": {"path": spec["model"], "dtype": spec["model_dtype"], "attn": "sdpa"},
         "adapter": {"method": "lora", "r": spec["r"], "alpha": spec["alpha"], "dropout": spec["dropout"],
                     "target_modules": spec["target_modules"]},
         "data": {"train": spec["train"], "format": "chat", "max_seq_len": spec["max_seq_len"], "packing": True,
                  "train_on": "completions"},
         "training": {"epochs": 1, "micro_batch_size": spec["packs_per_step"], "grad_accum": 1, "lr": spec["lr"],
                      "scheduler": "cosine", "warmup_ratio": spec["warmup_ratio"], "max_grad_norm": 1.0,
-                     "mixed_precision": "bf16", "seed": spec["seed"], "threads": spec["threads"],
+                     "mixed_precision": spec["mixed_precision"], "seed": spec["seed"], "threads": spec["threads"],
                      **spec.get("workbench_training", {})},
         "output": {"dir": str(Path(spec["out"]) / "{name}"), "save_every": None, "eval_every": None,
                    "log_every": 10, "sample_prompts": []},
@@ -185,7 +191,7 @@ def run_trl(spec: dict) -> dict:
         output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, num_train_epochs=1, learning_rate=spec["lr"], lr_scheduler_type="cosine",
         warmup_steps=spec["warmup_ratio"], weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_seq_len"],
-        bf16=True, use_cpu=True, logging_steps=10, save_strategy="no", eval_strategy="no",
+        bf16=spec["mixed_precision"] == "bf16", use_cpu=True, logging_steps=10, save_strategy="no", eval_strategy="no",
         report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0, **trl_opts,
     )
     trainer = SFTTrainer(model=load_model(spec), args=args, train_dataset=train, processing_class=tokenizer,
@@ -263,7 +269,7 @@ def run_plain(spec: dict) -> dict:
     loop_start = time.perf_counter()
     for step in range(steps):
         batch = plain_batch(packs[step * size:(step + 1) * size], tokenizer.pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(spec):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         shifted = batch["labels"][:, 1:]
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE,

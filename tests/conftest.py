@@ -9,16 +9,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.chdir(ROOT)  # recipes name their data relative to the project root
+# Tests that compare numbers between runs pin float32; tests that merely train keep the recipes' `auto`.
+FP32 = ("model.dtype=float32", "training.mixed_precision=no")
 
 
 @pytest.fixture
 def tiny_recipe(tmp_path):
-    """The tiny recipe, writing into a temporary folder, small enough for a test (fp32, no dropout)."""
+    """The tiny recipe, writing into a temporary folder, small enough for a test (no dropout). float32 on
+    every CPU, not the recipe's `auto`: tests built on it compare runs to tight tolerances."""
     from workbench import Recipe
 
     return Recipe.load(ROOT / "recipes/tiny.yaml").override(
         f"output.dir={tmp_path}/{{name}}", "output.save_every=null", "output.eval_every=null",
-        "output.log_every=1", "training.threads=1",
+        "output.log_every=1", "training.threads=1", *FP32,
     )
 
 

@@ -13,15 +13,19 @@ from workbench.compat import check_runtime
     ({"adapter": {"method": "full", "modules_to_save": ["lm_head"]}}, "adapter.modules_to_save: has no meaning"),
     ({"adapter": {"method": "full", "rslora": True}}, "adapter.rslora: only applies to LoRA"),
     ({"data": {"eval": "x.jsonl", "eval_split": 0.1}}, "data.eval_split: set either"),
-    ({"training": {"mixed_precision": "fp16"}}, "training.mixed_precision: fp16 autocast over bfloat16"),
+    ({"training": {"mixed_precision": "fp16"}, "model": {"dtype": "bfloat16"}},
+     "training.mixed_precision: fp16 autocast over bfloat16"),
     ({"training": {"gradient_checkpointing": True},
       "distributed": {"strategy": "fsdp", "fsdp": {"activation_checkpointing": True}}},
      "distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on"),
     ({"adapter": {"method": "qlora"}, "quantization": {"bits": 8}, "distributed": {"strategy": "fsdp"}},
      "quantization.bits: 8-bit weights cannot be sharded"),
-    ({"adapter": {"method": "qlora"}, "distributed": {"strategy": "fsdp"}},
+    ({"adapter": {"method": "qlora"}, "model": {"dtype": "bfloat16"}, "distributed": {"strategy": "fsdp"}},
      "quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
      "set quantization.quant_storage: bfloat16"),
+    ({"adapter": {"method": "qlora"}, "distributed": {"strategy": "fsdp"}},  # auto dtype: uint8 never matches
+     "quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+     "set model.dtype and quantization.quant_storage to the same dtype"),
     ({"adapter": {"method": "qlora"}, "distributed": {"strategy": "deepspeed", "deepspeed": {"stage": 3}}},
      "quantization.quant_storage: sharding 4-bit weights"),
     ({"training": {"optimizer": "adamw_8bit"}, "distributed": {"strategy": "deepspeed"}},

@@ -27,7 +27,8 @@ RECIPE = "recipes/tiny.yaml"
 STEPS = 10
 # dropout on: a resume must restore the RNG too; one thread: bitwise-reproducible matmuls
 COMMON = [f"training.max_steps={STEPS}", "training.grad_accum=1", "training.micro_batch_size=2", "training.threads=1",
-          "adapter.dropout=0.1", "output.log_every=1", "output.eval_every=null", "data.eval=null"]
+          "adapter.dropout=0.1", "output.log_every=1", "output.eval_every=null", "data.eval=null",
+          "model.dtype=float32", "training.mixed_precision=no"]
 
 
 def start(run_dir, *overrides, env=None, launch_nproc=None, resume=False):

@@ -25,7 +25,7 @@ RECIPE = "recipes/tiny.yaml"
 STEPS = 6
 # fp32, no dropout, one optimizer step per batch, a loss logged every step: runs are comparable
 COMMON = [f"training.max_steps={STEPS}", "training.grad_accum=1", "output.log_every=1",
-          "output.eval_every=null", "data.eval=null"]
+          "output.eval_every=null", "data.eval=null", "model.dtype=float32", "training.mixed_precision=no"]
 TIMEOUT_S = 420
 
 

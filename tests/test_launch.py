@@ -11,6 +11,7 @@ from workbench.cli import main
 from workbench.distributed import (check_process_count, deepspeed_config, hybrid_shard_config, resolve_strategy,
                                    verify_launch, world_size_from_env)
 from workbench.launcher import check_launcher_agrees, plan_launch
+from workbench.precision import resolve
 
 RECIPE = "recipes/tiny.yaml"
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PMI_SIZE",
@@ -36,7 +37,8 @@ def test_several_processes_go_through_accelerate_launch_multi_gpu():
     assert "--cpu" not in cmd  # --cpu silently starts ONE process
     flags = dict(zip(cmd[3::], cmd[4::]))
     assert flags["--num_processes"] == "4" and flags["--main_process_ip"] == "10.0.0.1"
-    assert flags["--main_process_port"] == "29400" and flags["--mixed_precision"] == "no"
+    assert flags["--main_process_port"] == "29400"
+    assert flags["--mixed_precision"] == resolve(Recipe.load(RECIPE), "cpu").mixed_precision  # auto, resolved
     assert cmd[-5:] == ["-m", "workbench", "train", RECIPE, "distributed.strategy=fsdp"]
     assert shlex.split(plan.shell().split(" ", 2)[-1])[0] == sys.executable
 

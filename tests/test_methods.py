@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def method_recipe(name, tmp_path, *extra):
     return Recipe.load(ROOT / f"recipes/{name}.yaml").override(
         f"output.dir={tmp_path}/{{name}}", "training.max_steps=8", "output.save_every=8", "output.eval_every=null",
-        "output.log_every=1", "training.threads=1", *extra)
+        "output.log_every=1", "training.threads=1", *extra)  # precision: the recipe's auto
 
 
 def checkpoint_model(recipe, run_dir, step):
@@ -44,6 +44,7 @@ def test_adapter_methods_train_and_reload_with_plain_peft(name, atol, tmp_path):
     result = train(recipe, progress_bar=False)
     losses = result.metrics["loss"].dropna().tolist()
     assert losses[-1] < losses[0] - 0.2, losses
+    recipe = Recipe.load(result.run_dir / "recipe.yaml")  # what ran: `auto` precision resolved
 
     config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] == (recipe.adapter.method == "dora") and config["use_rslora"] == recipe.adapter.rslora

@@ -33,6 +33,7 @@ def check_recipe(recipe: "Recipe") -> None:
         raise ValueError("adapter.rslora: only applies to LoRA adapters; remove it or choose method lora")
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
+    # `auto` precision is checked again once resolved for the device (workbench/precision.py)
     if training.mixed_precision == "fp16" and recipe.model.dtype == "bfloat16":
         raise ValueError(
             "training.mixed_precision: fp16 autocast over bfloat16 weights mixes two half types; "
@@ -53,7 +54,12 @@ def check_recipe(recipe: "Recipe") -> None:
         q = recipe.quantization
         if q.bits == 8:
             raise ValueError("quantization.bits: 8-bit weights cannot be sharded by FSDP or ZeRO-3; use bits: 4")
-        if q.quant_storage != recipe.model.dtype:
+        if recipe.model.dtype == "auto" and q.quant_storage == "uint8":
+            raise ValueError(
+                "quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                "set model.dtype and quantization.quant_storage to the same dtype (e.g. bfloat16)"
+            )
+        if recipe.model.dtype != "auto" and q.quant_storage != recipe.model.dtype:
             raise ValueError(
                 f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
                 f"set quantization.quant_storage: {recipe.model.dtype}"
@@ -69,7 +75,7 @@ def check_runtime(recipe: "Recipe", device_type: str, model_config) -> None:
     """Rules that depend on the device and the model's shapes."""
     training = recipe.training
     if training.mixed_precision == "fp16" and device_type != "cuda":
-        raise RecipeError("training.mixed_precision: fp16 needs a GPU; use bf16 or no on a CPU")
+        raise RecipeError("training.mixed_precision: fp16 needs a GPU; use auto, bf16 or no on a CPU")
     if training.activation_offloading and device_type != "cuda":
         raise RecipeError(
             "training.activation_offloading: moves activations from GPU to CPU memory, so it needs a GPU; "

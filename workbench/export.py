@@ -19,10 +19,12 @@ def inference_device() -> torch.device:
 
 
 def inference_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exact, and CPUs gain little from bf16); bf16 (or fp16) on a GPU to fit big models."""
+    """fp32 on CPU (exact, and generation is short); the GPU's native half type (bf16 or fp16) to fit big models."""
     if device.type != "cuda":
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    from .precision import DTYPE_OF, device_half
+
+    return getattr(torch, DTYPE_OF[device_half("cuda").half])
 
 
 def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None):

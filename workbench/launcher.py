@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError, WorkbenchError
+from .precision import local_kind
+from .precision import resolve as resolve_precision
 
 
 @dataclass
@@ -45,13 +47,15 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     if not host or not port.isdigit():
         raise RecipeError(f"--master: expected IP:PORT, got {master!r}")
     recipe = Recipe.load(recipe_path, overrides or [])  # fail here, before any process starts
+    # accelerate's flag wants a concrete mode; each rank resolves the recipe again on its own device
+    mixed_precision = resolve_precision(recipe, local_kind()).mixed_precision
     train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]
     world = nproc * nnodes
     if world == 1:
         return LaunchPlan([sys.executable, *train], {}, recipe.run_dir)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
                "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", host,
-               "--main_process_port", port, "--mixed_precision", recipe.training.mixed_precision,
+               "--main_process_port", port, "--mixed_precision", mixed_precision,
                "--dynamo_backend", "no"]
     if nnodes > 1:
         command += ["--rdzv_backend", "static", "--same_network"]

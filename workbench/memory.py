@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .devices import Device, cpu_runtime_bytes, get_device
 from .model_configs import ModelInfo, describe_model
+from .precision import compute_dtype_of, resolve_recipe
 from .recipe import Recipe
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -108,6 +109,8 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
     dev = get_device(device, device_memory)
+    # the same `auto` precision a run on that device would resolve (workbench/precision.py)
+    recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
     info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
     terms = single_device_terms(recipe, info, dev)
     strategies = [_strategy(name, terms, dev, world_size, nodes) for name in _strategy_names(world_size, nodes)]
@@ -117,7 +120,8 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
              "total_params": info.params + (terms["trainable_params"] if recipe.adapter.method != "full" else 0)}
     device_json = {**dev.to_json(), "count": world_size, "nodes": nodes}
     throughput = _throughput(recipe, info, dev, world_size, price_per_gpu_hour)
-    notes = _notes(strategies, recommended, dev, world_size, terms, recipe)
+    notes = [*precision.warnings, *_notes(strategies, recommended, dev, world_size, terms, recipe)]
+    device_json["precision"] = precision.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
     return Estimate(model, device_json, strategies, recommended, throughput, notes, details)
 
@@ -460,9 +464,7 @@ def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, p
     attention = 12 * info.layers * info.heads * info.head_dim * (seq + 1) / 2  # causal: (T+1)/2 positions
     model_flops = 4 * weights + 2 * trainable + attention
     hardware_flops = model_flops + (2 * weights if recipe.training.gradient_checkpointing else 0)
-    dtype = "bfloat16" if recipe.training.mixed_precision == "bf16" else (
-        "float16" if recipe.training.mixed_precision == "fp16" else recipe.model.dtype)
-    peak = dev.peak(dtype)
+    peak = dev.peak(compute_dtype_of(recipe))
     per_device = peak * dev.mfu / hardware_flops
     out = {"flops_per_token": int(model_flops), "hardware_flops_per_token": int(hardware_flops),
            "peak_flops": peak, "mfu": dev.mfu, "tokens_per_s_per_device": round(per_device, 1),

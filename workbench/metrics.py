@@ -102,16 +102,27 @@ def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, 
             if key in name:
                 return flops, f"datasheet:{key}"
     measured = _matmul_probe(device_type, getattr(torch, dtype_name))
-    best = _best_seen(f"{device_type}|{dtype_name}|{threads}|{_cpu_model()}", measured)
+    best = _best_seen(f"{device_type}|{dtype_name}|{threads}|{cpu_model_name()}", measured)
     return best, f"probe:{dtype_name}:{threads}threads"
 
 
-def _cpu_model() -> str:
+def cpu_model_name() -> str:
+    """The CPU's model and the flags that decide its matmul speed per dtype ("AMD EPYC" alone names CPUs
+    with and without bf16 kernels): the key of every per-CPU measurement the project caches."""
+    model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+            for line in info:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name == "model name" and not model:
+                    model = value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = set(value.split())
     except OSError:
-        return ""
+        pass
+    speed_flags = sorted(f for f in flags if "bf16" in f or "amx" in f or f in ("avx512f", "avx2", "fp16", "sve"))
+    return " ".join([model, *speed_flags]).strip()
 
 
 def _best_seen(key: str, measured: float) -> float:
@@ -134,6 +145,11 @@ def _matmul_probe(device_type: str, dtype: torch.dtype, size: int = 1024, second
     # its own generator: the probe may run mid-training (or right after a resume restored the RNG)
     # and must not move the global RNG that dropout draws from
     generator = torch.Generator(device=device).manual_seed(0)
+    if device_type == "cpu" and dtype != torch.float32:
+        from .precision import cpu_half
+
+        if cpu_half().half is None:  # no native kernel (bf16 on AVX2): a 1024 matmul alone takes seconds
+            size = 256
     a = torch.randn(size, size, device=device, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     torch.matmul(a, b)  # warm up kernels and caches

@@ -65,6 +65,9 @@ def load_base_model(recipe: Recipe, device_map=None):
     """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora)."""
     from transformers import AutoModelForCausalLM
 
+    from .precision import concrete
+
+    recipe = concrete(recipe)
     path = resolve_model_path(recipe.model.path)
     kwargs = dict(
         dtype=DTYPES[recipe.model.dtype],
@@ -83,7 +86,9 @@ def load_base_model(recipe: Recipe, device_map=None):
 def bnb_config(recipe: Recipe):
     from transformers import BitsAndBytesConfig
 
-    q = recipe.quantization
+    from .precision import concrete
+
+    q = concrete(recipe).quantization
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(

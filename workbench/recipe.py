@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
+from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
 _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the value
@@ -28,12 +29,15 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     path: str = Field("builtin:tiny", description="builtin:tiny, builtin:smollm2-135m, a local folder or a hub id.")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the frozen base weights."
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of the frozen base weights (auto: what the device computes fastest; "
+                            "see workbench/precision.py)."
     )
     attn: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="attention implementation.")
     trust_remote_code: bool = Field(False, description="allow model code from the hub repository.")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
+
+    _dtype_spelling = field_validator("dtype", mode="before")(lambda value: spelled(value, DTYPE_SPELLINGS))
 
 
 class AdapterSection(Section):
@@ -61,10 +65,14 @@ class QuantizationSection(Section):
     bits: Literal[4, 8] = Field(4, description="4-bit (NF4/FP4) or 8-bit base weights (qlora only).")
     type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     double_quant: bool = Field(True, description="quantize the quantization constants too.")
-    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="matmul dtype.")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="matmul dtype of the quantized layers (auto: follows training.mixed_precision).")
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8", description="storage dtype of packed 4-bit weights (bfloat16 lets FSDP shard them)."
     )
+
+    _dtype_spelling = field_validator("compute_dtype", "quant_storage", mode="before")(
+        lambda value: spelled(value, DTYPE_SPELLINGS))
 
 
 class DataSection(Section):
@@ -96,13 +104,19 @@ class TrainingSection(Section):
                             "that step's update and go on.")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
     activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
-    mixed_precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="autocast precision.")
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
+        "auto", description="autocast precision: auto (bf16 where the device computes it natively, fp16 on GPUs "
+                            "without bf16, else full precision), bf16, fp16, or no (also: fp32, false).")
     fast_paths: bool = Field(
         True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
                           "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
                           "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
-    threads: int | None = Field(None, gt=0, description="CPU threads per process (null: cores / local processes).")
+    threads: int | None = Field(None, gt=0, description="CPU threads per process (null: OMP_NUM_THREADS when set, "
+                                                          "else cores / local processes).")
+
+    _precision_spelling = field_validator("mixed_precision", mode="before")(
+        lambda value: spelled(value, MIXED_PRECISION_SPELLINGS))
 
 
 class FsdpSection(Section):

@@ -28,6 +28,7 @@ from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
+from .precision import compute_dtype_of, local_kind, resolve_recipe
 from .preflight import check_disk_space, preflight
 from .quiet import quiet_libraries
 from .recipe import Recipe
@@ -59,11 +60,13 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     started = time.perf_counter()
     quiet_libraries()
     run = RunDir(recipe.run_dir)
+    threads, threads_why = configure_threads(recipe.training.threads)  # before the precision probe times matmuls
+    # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
+    recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
-    warnings = preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model), resume)
+    warnings = [*precision.warnings, *preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model), resume)]
     strategy, why = resolve_strategy(recipe, world_size_from_env())
     check_launcher_agrees(strategy)
-    threads = configure_threads(recipe.training.threads)
     accelerator = build_accelerator(recipe, str(run.path), strategy)
     verify_launch(accelerator, strategy)
     main = accelerator.is_main_process
@@ -75,9 +78,9 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     accelerator.wait_for_everyone()
     if main:
         recipe.save(run.recipe)
-        run.update_json(env=environment(accelerator), summary={"status": "running", "strategy": strategy,
-                                                               "strategy_reason": why, "threads": threads,
-                                                               "warnings": warnings})
+        run.update_json(env=environment(accelerator), summary={
+            "status": "running", "strategy": strategy, "strategy_reason": why, **precision.to_json(),
+            "threads": threads, "threads_reason": threads_why, "warnings": warnings})
         for warning in warnings:
             accelerator.print(f"warning: {warning}")
     try:
@@ -169,6 +172,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     window_targets = torch.zeros((), device=accelerator.device)
     window_tokens, window_start = 0, time.perf_counter()
     last_loss = None
+    startup_s = time.perf_counter() - started  # what the user waits for before the first step
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
     while state.step < total_steps:
         train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
@@ -254,6 +258,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             state.epoch += 1
             state.batches_in_epoch = 0
     bar.close()
+    loop_end = time.perf_counter()
 
     # -- the end: final eval, adapter, summary --------------------------------------------------
     eval_final = evaluate(model, eval_loader, accelerator, loss_sum_of) if eval_loader is not None else None
@@ -266,13 +271,16 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
     peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)[0]], device=accelerator.device))
     held = accelerator.gather(torch.tensor([local_parameter_elements(model)], device=accelerator.device))
-    compute_dtype = "bfloat16" if recipe.training.mixed_precision == "bf16" else recipe.model.dtype
-    device_peak, peak_source = peak_flops(accelerator.device.type, compute_dtype, torch.get_num_threads())
+    device_peak, peak_source = peak_flops(accelerator.device.type, compute_dtype_of(recipe), torch.get_num_threads())
     world = accelerator.num_processes
     train_s = state.train_seconds
+    # what the estimator predicts for this setup, beside what was measured (computed after the
+    # measurement, so that building the estimate never shows in the measured peak)
+    prediction = prediction_for_run(recipe, strategy, world, accelerator.device.type)
     summary.update({
         "status": "completed", "steps": state.step, "epochs_started": state.epoch + 1, "tokens": state.tokens,
         "wall_s": round(time.perf_counter() - started, 2), "train_s": round(train_s, 2),
+        "startup_s": round(startup_s, 2), "finish_s": round(time.perf_counter() - loop_end, 2),
         "tokens_per_s": round(state.tokens / max(train_s, 1e-9), 2),
         "tokens_per_s_per_device": round(state.tokens / max(train_s, 1e-9) / world, 2),
         "peak_memory_mb": round(float(peaks.max()), 1), "peak_memory_mb_per_rank": [round(float(p), 1) for p in peaks],
@@ -283,9 +291,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
         "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
         "skipped_steps": state.skipped_steps,
-        # what the estimator predicts for this setup, beside what was measured (computed after the
-        # measurement, so that building the estimate never shows in the measured peak)
-        **prediction_for_run(recipe, strategy, accelerator.num_processes, accelerator.device.type),
+        **prediction,
     })
     if samples is not None:
         summary["samples"] = samples

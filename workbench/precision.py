@@ -1,0 +1,233 @@
+"""Which precision a run computes in: the one decision that the loop, the estimator, the launcher and the UI read.
+
+`auto` (the default of model.dtype, training.mixed_precision and quantization.compute_dtype) resolves
+for the device that runs the recipe:
+
+- a GPU with bf16 tensor cores: bf16 weights and bf16 autocast;
+- an older GPU (T4, V100): fp16 autocast with loss scaling, fp16 frozen weights;
+- a CPU: bf16 only where a bf16 matmul measurably beats an fp32 one on this CPU. CPUs with AVX-512 BF16
+  or AMX run bf16 3-4x faster than fp32; AVX2-only CPUs have no bf16 kernel and run it about 50x SLOWER.
+  The matmul probe decides (a fraction of a second, cached per CPU model and torch version).
+
+An explicit choice is kept, but a bf16 choice on a CPU without native bf16 comes with a warning that
+gives the measured factor and the override that fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+AUTO = "auto"
+# autocast mode -> the dtype of weights that go with it
+DTYPE_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
+MODE_OF = {dtype: mode for mode, dtype in DTYPE_OF.items()}
+# What users type for each value (YAML reads `no` as false): mapped onto the schema's spelling.
+MIXED_PRECISION_SPELLINGS = {
+    "auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "no": "no", "none": "no", "false": "no", "off": "no", "fp32": "no", "float32": "no", "full": "no",
+}
+DTYPE_SPELLINGS = {
+    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+    "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32", "full": "float32",
+}
+# On a CPU, bf16 must beat fp32 by this factor to be chosen (a probe on a busy machine reads noisy).
+CPU_BF16_MIN_SPEEDUP = 1.2
+PROBE_ENV = "LORA_WORKBENCH_MATMUL_RATES"  # "bf16=0.8,fp32=39" (GFLOP/s): use these instead of probing
+
+
+def spelled(value, spellings: dict[str, str]):
+    """A user's spelling of a precision (`no`, False, `fp32`, `BF16`) in the schema's words; others unchanged."""
+    if value is False or value is None:
+        value = "false" if value is False else value
+    if isinstance(value, str) and value.strip().lower() in spellings:
+        return spellings[value.strip().lower()]
+    return value
+
+
+@dataclass(frozen=True)
+class DeviceHalf:
+    """What a device computes natively: `half` is "bf16", "fp16" or None (fp32 is fastest), and why."""
+
+    kind: str
+    half: str | None
+    reason: str
+    bf16_slowdown: float | None = None  # CPUs: how many times slower a bf16 matmul runs than fp32
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A recipe's resolved precision on one device."""
+
+    model_dtype: str
+    mixed_precision: str
+    compute_dtype: str | None  # quantized layers only
+    reason: str
+    warnings: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict:
+        return {"model_dtype": self.model_dtype, "mixed_precision": self.mixed_precision,
+                "compute_dtype": self.compute_dtype, "precision_reason": self.reason}
+
+
+def device_half(kind: str, bf16: bool | None = None) -> DeviceHalf:
+    """The native half type of a device kind ("cuda" or "cpu"). `bf16` says what a planned GPU supports
+    (a preset, for the estimator); None asks this machine's GPU, or measures this machine's CPU."""
+    if kind == "cuda":
+        if bf16 is None:
+            import torch
+
+            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return (DeviceHalf("cuda", "bf16", "cuda: the GPU has bf16 tensor cores") if bf16 else
+                DeviceHalf("cuda", "fp16", "cuda: no bf16 tensor cores, fp16 with loss scaling"))
+    return cpu_half()
+
+
+def cpu_half() -> DeviceHalf:
+    """This CPU's native half type, measured once per process (and per injected PROBE_ENV value)."""
+    return _cpu_half(os.environ.get(PROBE_ENV))
+
+
+@lru_cache(maxsize=4)
+def _cpu_half(injected: str | None) -> DeviceHalf:
+    bf16, fp32, source = cpu_matmul_rates()
+    slowdown = fp32 / bf16 if bf16 > 0 else float("inf")
+    rates = f"bf16 matmul {bf16:.3g} vs fp32 {fp32:.3g} GFLOP/s, {source}"
+    if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32:
+        return DeviceHalf("cpu", "bf16", f"cpu: native bf16 ({rates})", slowdown)
+    return DeviceHalf("cpu", None, f"cpu: no native bf16 ({rates})", slowdown)
+
+
+def cpu_matmul_rates() -> tuple[float, float, str]:
+    """(bf16, fp32) matmul GFLOP/s of this CPU and where they came from: the PROBE_ENV variable, the
+    cache of an earlier probe on this CPU model and torch version, or a probe now (about 0.3 s)."""
+    injected = os.environ.get(PROBE_ENV)
+    if injected:
+        return (*_parse_rates(injected), f"{PROBE_ENV}")
+    import torch
+
+    from .builtin import read_cache_json, write_cache_json
+    from .metrics import cpu_model_name
+
+    key = f"{cpu_model_name()}|torch {torch.__version__}"
+    cached = read_cache_json("cpu_precision.json").get(key)
+    if cached:
+        return float(cached["bf16"]), float(cached["fp32"]), "probe, cached"
+    bf16, fp32 = (_probe_gflops(dtype) for dtype in (torch.bfloat16, torch.float32))
+    try:
+        write_cache_json("cpu_precision.json", {**read_cache_json("cpu_precision.json"),
+                                                key: {"bf16": bf16, "fp32": fp32}})
+    except OSError:
+        pass  # a read-only cache probes again next time
+    return bf16, fp32, "probe"
+
+
+def _parse_rates(text: str) -> tuple[float, float]:
+    from .errors import WorkbenchError
+
+    try:
+        rates = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+        return rates["bf16"], rates["fp32"]
+    except (KeyError, ValueError) as err:
+        raise WorkbenchError(f"{PROBE_ENV}: expected e.g. 'bf16=0.8,fp32=39' (GFLOP/s), got {text!r}") from err
+
+
+def _probe_gflops(dtype, size: int = 256, seconds: float = 0.1) -> float:
+    """Best matmul rate over a short window. Small matrices: a CPU without bf16 kernels takes 40 ms for one."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
+    torch.matmul(a, b)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        now = time.perf_counter()
+        best = max(best, 2 * size**3 / max(now - start, 1e-9) / 1e9)
+        if now > deadline:
+            return best
+
+
+def resolve(recipe: "Recipe", kind: str, bf16: bool | None = None) -> Precision:
+    """The recipe's precision on a device of this kind ("cuda" or "cpu"); see the module's docstring.
+
+    With one of model.dtype / training.mixed_precision set and the other `auto`, the other follows it;
+    with both `auto`, both follow the device."""
+    native = device_half(kind, bf16)
+    model_dtype, mode = recipe.model.dtype, recipe.training.mixed_precision
+    preferred = native.half or "no"
+    reasons = []
+    if mode == AUTO:
+        mode = MODE_OF[model_dtype] if model_dtype in ("bfloat16", "float16") else preferred
+        if kind == "cpu" and mode == "fp16":
+            mode = preferred  # fp16 autocast is GPU-only; fp16 weights then compute in fp32 or bf16
+        reasons.append(native.reason)
+    if model_dtype == AUTO:
+        model_dtype = DTYPE_OF[mode]
+        if recipe.adapter.method == "full" and mode == "fp16":
+            model_dtype = "float32"  # fp16 autocast trains fp32 master weights (the scaler refuses fp16 ones)
+        if not reasons:
+            reasons.append(f"model.dtype follows training.mixed_precision: {mode}")
+    compute = None
+    if recipe.quantization is not None:
+        compute = recipe.quantization.compute_dtype
+        if compute == AUTO:
+            compute = DTYPE_OF[mode] if mode != "no" else "float32"
+    reason = "; ".join(reasons) or "set in the recipe"
+    return Precision(model_dtype, mode, compute, reason, tuple(_warnings(kind, native, model_dtype, mode, compute)))
+
+
+def _warnings(kind: str, native: DeviceHalf, model_dtype: str, mode: str, compute: str | None) -> list[str]:
+    if kind != "cpu" or native.half == "bf16":
+        return []
+    slow = [f"{name}: {value}" for name, value in (("model.dtype", model_dtype), ("training.mixed_precision", mode),
+                                                   ("quantization.compute_dtype", compute))
+            if value in ("bfloat16", "bf16")]
+    if not slow:
+        return []
+    factor = f"about {native.bf16_slowdown:.0f}x slower" if native.bf16_slowdown else "slower"
+    return [f"{', '.join(slow)} on this CPU runs {factor} than float32 ({native.reason}); "
+            "set model.dtype=auto training.mixed_precision=auto (or float32 / no) to run at full speed"]
+
+
+def apply(recipe: "Recipe", precision: Precision) -> "Recipe":
+    """A copy of the recipe with its precision fields concrete (what a run saves and every part reads)."""
+    values = {"model.dtype": precision.model_dtype, "training.mixed_precision": precision.mixed_precision}
+    if precision.compute_dtype is not None:
+        values["quantization.compute_dtype"] = precision.compute_dtype
+    return recipe.override(**{key.replace(".", "__"): value for key, value in values.items()})
+
+
+def resolve_recipe(recipe: "Recipe", kind: str, bf16: bool | None = None) -> tuple["Recipe", Precision]:
+    """The recipe with its precision resolved for a device of this kind, and the decision."""
+    precision = resolve(recipe, kind, bf16)
+    return apply(recipe, precision), precision
+
+
+def compute_dtype_of(recipe: "Recipe") -> str:
+    """The dtype a resolved recipe's matmuls run in (what MFU and predicted throughput are measured against)."""
+    mode = recipe.training.mixed_precision
+    return DTYPE_OF[mode] if mode != "no" else recipe.model.dtype
+
+
+def concrete(recipe: "Recipe") -> "Recipe":
+    """The recipe itself when no precision field says `auto`, else resolved for this machine's device."""
+    quantization = recipe.quantization
+    if AUTO not in (recipe.model.dtype, recipe.training.mixed_precision,
+                    quantization.compute_dtype if quantization is not None else None):
+        return recipe
+    return resolve_recipe(recipe, local_kind())[0]
+
+
+def local_kind() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
