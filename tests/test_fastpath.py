@@ -1,5 +1,7 @@
 """The faster paths compute what the ordinary ones compute: loss, gradients, attention, dropout statistics."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,8 @@ from workbench.data import IGNORE, Collator
 from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
 from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                 plain_head)
-from workbench.packed_attention import PerSampleAttention, sample_spans
+from workbench.packed_attention import (FORCE_ENV, AttentionCosts, PerSampleAttention, _costs, attention_costs,
+                                        choose_path, sample_spans)
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
@@ -133,7 +136,9 @@ def test_sample_spans_start_wherever_positions_do_not_continue():
     assert sample_spans(positions, 2) == [[(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 6)]]
 
 
-def test_packed_attention_model_matches_sdpa(tiny_path):
+@pytest.mark.parametrize("path", ["per_sample", "masked"])
+def test_packed_attention_model_matches_sdpa(tiny_path, path, monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, path)  # both branches of the cost model compute the same thing
     model = lora_model(tiny_path)
     batch = packed_batch()
     reference = loss_and_grads(model, batch, full_logits_loss_sum)
@@ -229,3 +234,25 @@ def test_lora_fast_paths_leave_dora_alone(tiny_path):
                                             target_modules="all-linear", task_type="CAUSAL_LM"))
     assert lora_fast_paths(dora) == 0
     assert not any(isinstance(m, SparseDropout) for m in dora.modules())
+
+
+def test_the_cost_model_picks_masked_rows_of_many_short_samples_and_per_sample_otherwise(monkeypatch):
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    costs = AttentionCosts(per_call=2e-3, per_score=2e-7, masked_call=1e-4, masked_score=2e-7)
+    many_short = [[(i * 25, (i + 1) * 25) for i in range(10)]]  # ten 25-token samples in a 256-token row
+    few_long = [[(0, 128), (128, 256)]]
+    assert costs.per_sample(many_short) > costs.masked(1, 256)
+    assert costs.per_sample(few_long) < costs.masked(1, 256)
+    q, k = torch.zeros(1, 4, 256, 8), torch.zeros(1, 2, 256, 8)
+    monkeypatch.setitem(_costs, (4, 2, 8, str(torch.float32), torch.get_num_threads()), costs)
+    assert choose_path(many_short, q, k) == "masked" and choose_path(few_long, q, k) == "per_sample"
+    assert choose_path([[(0, 256)]], q, k) == "per_sample"  # one sample per row: no mask at all
+
+
+def test_the_cost_model_is_measured_on_this_machine_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr("workbench.packed_attention._costs", {})
+    costs = attention_costs(4, 2, 8, torch.float32)
+    assert min(costs.per_score, costs.masked_score) > 0 and costs.per_call >= 0
+    (stored,) = json.loads((tmp_path / "estimator" / "attention_costs.json").read_text()).values()
+    assert stored == costs.__dict__

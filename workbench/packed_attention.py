@@ -7,6 +7,12 @@ the forward through PyTorch's fused CPU kernel (it skips the causal upper half),
 matmuls over each sample's own (n × n) scores, recomputed from q and k as a fused kernel would. The
 work then grows with the sum of the squared sample lengths, not with the square of the row length.
 
+Per-sample attention pays a fixed cost per sample (a kernel call and its backward), so rows of many very
+short samples can be cheaper as one masked attention over the whole row. A cost model measured on this
+machine (`AttentionCosts`: per-call and per-score costs of both paths, timed once per shape, dtype and
+thread count and cached on disk) picks the cheaper path for each batch. LORA_WORKBENCH_PACKED_ATTENTION=
+per_sample|masked forces one.
+
 `use_packed_attention(model)` switches a transformers model from `sdpa` to this implementation; batches
 with a padding mask, a KV cache (generation), attention dropout or another device take the ordinary
 `sdpa` path unchanged.
@@ -14,15 +20,23 @@ with a padding mask, a KV cache (generation), attention dropout or another devic
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 NAME = "sdpa_packed"
+FORCE_ENV = "LORA_WORKBENCH_PACKED_ATTENTION"
 _last_spans: tuple[torch.Tensor | None, list] = (None, [])  # every layer of a forward sees the same position_ids
+_last_mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+_costs: dict[tuple, "AttentionCosts"] = {}
 
 
-def use_packed_attention(model) -> bool:
-    """Register the implementation and select it on models that run `sdpa`; True when switched."""
+def use_packed_attention(model, compute_dtype: torch.dtype | None = None) -> bool:
+    """Register the implementation and select it on models that run `sdpa`; True when switched. With the
+    dtype attention will compute in, the cost model is measured now (never inside a forward)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -32,6 +46,10 @@ def use_packed_attention(model) -> bool:
     AttentionInterface.register(NAME, packed_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packed_mask)
     model.set_attn_implementation(NAME)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if compute_dtype is not None and model.device.type == "cpu":
+        attention_costs(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim, compute_dtype)
     return True
 
 
@@ -55,8 +73,123 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_ids=position_ids, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = PerSampleAttention.apply(query, key, value, sample_spans(position_ids, query.shape[0]), scale)
+    spans = sample_spans(position_ids, query.shape[0])
+    if choose_path(spans, query, key) == "masked":
+        out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype),
+                                             attn_mask=block_mask(position_ids, spans, query.shape[2]), scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = PerSampleAttention.apply(query, key, value, spans, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+# -- which path: a cost model measured on this machine ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """Seconds of one attention forward + backward: per-sample = calls·per_call + Σn²·per_score;
+    masked = rows·(masked_call + L²·masked_score)."""
+
+    per_call: float
+    per_score: float
+    masked_call: float
+    masked_score: float
+
+    def per_sample(self, spans: list[list[tuple[int, int]]]) -> float:
+        lengths = [end - start for row in spans for start, end in row]
+        return len(lengths) * self.per_call + sum(n * n for n in lengths) * self.per_score
+
+    def masked(self, rows: int, length: int) -> float:
+        return rows * (self.masked_call + length * length * self.masked_score)
+
+
+def choose_path(spans: list[list[tuple[int, int]]], query: torch.Tensor, key: torch.Tensor) -> str:
+    """"per_sample" or "masked": whichever the measured cost model says is cheaper for this batch."""
+    forced = os.environ.get(FORCE_ENV, "")
+    if forced in ("per_sample", "masked"):
+        return forced
+    if all(len(row) == 1 for row in spans):
+        return "per_sample"  # one sample per row: the fused causal kernel, no mask at all
+    costs = _costs.get((query.shape[1], key.shape[1], query.shape[3], str(query.dtype), torch.get_num_threads()))
+    if costs is None:  # not measured up front (use_packed_attention without a dtype): the per-sample default
+        return "per_sample"
+    return "per_sample" if costs.per_sample(spans) <= costs.masked(len(spans), query.shape[2]) else "masked"
+
+
+def attention_costs(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionCosts:
+    """Measured once per shape, dtype and thread count on this CPU; cached in the process and on disk, so
+    every run on this machine (a resumed one too) takes the same path for the same batch."""
+    key = (heads, kv_heads, head_dim, str(dtype), torch.get_num_threads())
+    if key in _costs:
+        return _costs[key]
+    from .builtin import read_cache_json, write_cache_json
+    from .metrics import cpu_model_name
+
+    disk_key = f"{cpu_model_name()}|torch {torch.__version__}|" + "|".join(map(str, key))
+    stored = read_cache_json("attention_costs.json").get(disk_key)
+    if stored:
+        costs = AttentionCosts(**stored)
+    else:
+        costs = _measure_costs(heads, kv_heads, head_dim, dtype)
+        try:
+            write_cache_json("attention_costs.json", {**read_cache_json("attention_costs.json"),
+                                                      disk_key: costs.__dict__})
+        except OSError:
+            pass
+    _costs[key] = costs
+    return costs
+
+
+def _measure_costs(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, length: int = 256) -> AttentionCosts:
+    """Two timings per path (a row of many short samples, one of a single long one) fix its two constants."""
+    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
+
+    def timed(run, lengths) -> float:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        spans = sample_spans(positions, 1)
+        q = torch.randn(1, heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+        k, v = (torch.randn(1, kv_heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+                for _ in range(2))
+        best = float("inf")
+        for _ in range(3):  # best of three: other work on the machine only ever adds time
+            start = time.perf_counter()
+            run(q, k, v, positions, spans).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def per_sample(q, k, v, positions, spans):
+        return PerSampleAttention.apply(q, k, v, spans, head_dim ** -0.5)
+
+    def masked(q, k, v, positions, spans):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_of(positions, spans, q.shape[2]),
+                                              enable_gqa=heads != kv_heads)
+
+    short, long = [16] * (length // 16), [length]
+    many, one = timed(per_sample, short), timed(per_sample, long)
+    # many = 16·call + 16·16²·score, one = call + 256²·score
+    per_score = max((16 * one - many) / (16 * length**2 - len(short) * 16**2), 1e-15)
+    per_call = max((one - length**2 * per_score), 0.0)
+    full, small = timed(masked, long), timed(masked, [length // 4])
+    masked_score = max((full - small) / (length**2 - (length // 4) ** 2), 1e-15)
+    return AttentionCosts(per_call, per_score, max(small - (length // 4) ** 2 * masked_score, 0.0), masked_score)
+
+
+def block_mask(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tensor:
+    """The (rows, 1, L, L) causal block-diagonal mask of a packed batch, built once per forward."""
+    global _last_mask
+    if _last_mask[0] is not position_ids:
+        _last_mask = (position_ids, _mask_of(position_ids, spans, length))
+    return _last_mask[1]
+
+
+def _mask_of(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tensor:
+    segment = torch.zeros(len(spans), length, dtype=torch.long)
+    for row, row_spans in enumerate(spans):
+        for index, (start, end) in enumerate(row_spans):
+            segment[row, start:end] = index
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None].to(position_ids.device)
 
 
 def sample_spans(position_ids: torch.Tensor, batch: int) -> list[list[tuple[int, int]]]:

@@ -125,7 +125,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
     model = attach_adapter(load_base_model(recipe), recipe)
     if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
-        apply_fast_paths(model)
+        apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
     loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
     ensure_trainable(model)
     total_params, trainable_params = count_parameters(model)
