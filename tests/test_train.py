@@ -3,6 +3,8 @@ import shutil
 
 import pytest
 import torch
+
+from workbench.runs import RunDir
 from safetensors.torch import load_file
 
 from workbench import generate, load_run, train
@@ -94,6 +96,7 @@ def test_resume_ends_with_the_same_adapter_as_an_uninterrupted_run(tiny_recipe):
     shutil.copytree(whole.run_dir, crashed.run_dir)
     shutil.rmtree(crashed.run_dir / "checkpoints" / "step-6")
     shutil.rmtree(crashed.run_dir / "adapter")
+    RunDir(crashed.run_dir).update_json(summary={"status": "running"})  # as a killed run leaves it
     resumed = train(crashed, resume=True, progress_bar=False)
     assert resumed.summary["steps"] == 6
     assert_same_weights(adapter_weights(whole.run_dir), adapter_weights(resumed.run_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import math
 import random
 import shutil
@@ -61,11 +62,13 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
             elif local.suffix.lower() == ".json":
                 _check_json_document(local)
             where = _row_locator(local)
-            digest = _file_digest(local)
+            digest, snapshot = _snapshot(local)
         except OSError as err:
             raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
         try:
-            dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
+            # Parse the snapshot, not the file: the rows are the bytes that were hashed. (datasets caches a
+            # local file by path and mtime, so a rewritten file with an old mtime would come back stale.)
+            dataset = datasets.load_dataset(builder, data_files=str(snapshot), split="train")
         except Exception as err:  # pyarrow/datasets raise many types for malformed files
             if local.suffix.lower() == ".jsonl":
                 for i, (_, line) in enumerate(_json_lines(local)):
@@ -202,12 +205,26 @@ def _row_locator(path: Path) -> Callable[[int], str]:
     return lambda i: f"{path} record {i}"
 
 
-def _file_digest(path: Path) -> str:
+def _snapshot(path: Path) -> tuple[str, Path]:
+    """(sha256, path of a copy of exactly those bytes): a content-addressed copy under the cache dir, so the
+    data that is tokenized is the data whose hash keys the cache, whatever happens to the file meanwhile."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    folder = cache_dir() / "sources"
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f".{os.getpid()}.{path.name}.tmp"
+    try:
+        with path.open("rb") as source, staging.open("wb") as copy:
+            for chunk in iter(lambda: source.read(1 << 20), b""):
+                digest.update(chunk)
+                copy.write(chunk)
+        snapshot = folder / f"{digest.hexdigest()}{path.suffix.lower()}"
+        if snapshot.exists():
+            staging.unlink()
+        else:
+            os.replace(staging, snapshot)
+    finally:
+        staging.unlink(missing_ok=True)
+    return digest.hexdigest(), snapshot
 
 
 def _first_line(err: Exception) -> str:
@@ -381,10 +398,12 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
     def check(row, where):
         check_row(row, cfg.format, where)
 
-    train_tok, cached = tokenize_rows(load_rows(cfg.train, cfg.split, check), tokenizer, cfg, cfg.limit)
-    eval_tok = None
+    train_rows = load_rows(cfg.train, cfg.split, check)
+    train_tok, cached = tokenize_rows(train_rows, tokenizer, cfg, cfg.limit)
+    eval_tok, eval_rows = None, None
     if cfg.eval:
-        eval_tok, _ = tokenize_rows(load_rows(cfg.eval, cfg.split, check), tokenizer, cfg)
+        eval_rows = load_rows(cfg.eval, cfg.split, check)
+        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg)
     elif cfg.eval_split:
         held_out = math.ceil(len(train_tok) * cfg.eval_split)
         if not 0 < held_out < len(train_tok):
@@ -393,7 +412,9 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
         parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
         train_tok, eval_tok = parts["train"], parts["test"]
 
-    stats = {"cached": cached, **_summarise(train_tok, "train")}
+    stats = {"cached": cached, **_summarise(train_tok, "train"), "train_sha256": train_rows.fingerprint}
+    if eval_rows is not None:
+        stats["eval_sha256"] = eval_rows.fingerprint
     train_tok = _drop_empty(train_tok)
     if eval_tok is not None:
         stats.update(_summarise(eval_tok, "eval"))

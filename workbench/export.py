@@ -59,12 +59,22 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     # The adapter folder holds the tokenizer training used (pad token included): prefer it.
     tokenizer = _tokenizer(run.adapter_dir if (run.adapter_dir / "tokenizer_config.json").exists() else base_path)
     if not base:
-        if not run.adapter_dir.exists():
-            raise WorkbenchError(f"{source}: the run has no adapter/ (did it finish?)")
+        check_adapter(source, run.adapter_dir)
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, run.adapter_dir)
     return model.eval(), tokenizer
+
+
+def check_adapter(source, adapter_dir: Path) -> None:
+    """One line, not a traceback, for a run with no adapter or a damaged one."""
+    if not adapter_dir.is_dir():
+        raise WorkbenchError(f"{source}: the run has no adapter/ (did it finish?)")
+    missing = [name for name in ("adapter_config.json", "adapter_model.safetensors")
+               if not (adapter_dir / name).is_file()]
+    if missing:
+        raise WorkbenchError(f"{adapter_dir}: damaged adapter ({', '.join(missing)} missing); resume the run from "
+                             "its last checkpoint (--resume) to write it again")
 
 
 def _tokenizer(path):
@@ -149,8 +159,7 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
         model = AutoModelForCausalLM.from_pretrained(full_model, dtype=DTYPES[dtype])
         tokenizer = _tokenizer(full_model)
     else:
-        if not run.adapter_dir.exists():
-            raise WorkbenchError(f"{run.path}: the run has no adapter/ (did it finish?)")
+        check_adapter(run.path, run.adapter_dir)
         from peft import PeftModel
 
         model_cfg = run.recipe.get("model", {})

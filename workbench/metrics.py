@@ -186,8 +186,10 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
+        from .runs import finite_json
+
         with self.path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(json.dumps(finite_json(row), allow_nan=False) + "\n")
             handle.flush()
 
 

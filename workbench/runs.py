@@ -6,6 +6,7 @@ runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -22,8 +23,29 @@ CHECKPOINT_PREFIX = "step-"
 
 def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(json.dumps(finite_json(data), indent=2, default=str, allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def finite_json(value):
+    """NaN and infinities become null: they are not JSON, and other readers refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put a completely written folder in place of `target` (renames only; the old one is removed last)."""
+    old = target.with_name(f".old-{target.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class RunDir:
@@ -38,22 +60,45 @@ class RunDir:
     adapter = property(lambda self: self.path / "adapter")
     checkpoints = property(lambda self: self.path / "checkpoints")
 
-    def prepare(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to clobber an earlier run unless told; on resume, the directory must exist."""
+    def claim(self, resume: bool, overwrite: bool) -> None:
+        """Take the run directory for this process (a lock held until it exits) and refuse what would clobber
+        a run by mistake. Deletes nothing: an --overwrite clears the folder later (`clear`), once the new
+        recipe, data and model have been checked."""
+        if resume and overwrite:
+            raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
         exists = self.path.exists() and any(self.path.iterdir())
+        if resume and not exists:
+            raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
+        if exists and not (resume or overwrite):
+            raise WorkbenchError(
+                f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = RunLock(self.path)
+        self._lock.acquire()
         if resume:
-            if not exists:
-                raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
+            status = self.read_json().get("summary", {}).get("status")
+            if status == "completed":
+                raise WorkbenchError(f"{self.path}: the run has completed; nothing to resume (--overwrite to train "
+                                     "it again)")
+            if self.latest_checkpoint() is None:
+                raise WorkbenchError(f"{self.path}: no complete checkpoint to resume from (the run stopped before "
+                                     "its first save); --overwrite starts it again")
             for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):  # a write a crash cut short
                 shutil.rmtree(stale, ignore_errors=True)
-            return
-        if exists:
-            if not overwrite:
-                raise WorkbenchError(
-                    f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it"
-                )
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+
+    def clear(self) -> None:
+        """Empty the (claimed) folder for a new run. The folder itself stays: it carries the lock."""
+        for child in self.path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    def release(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+            self._lock = None
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step}"
@@ -98,6 +143,43 @@ class RunDir:
             else:
                 data[key] = value
         write_json_atomic(self.run_json, data)
+
+
+class RunLock:
+    """One process at a time per run directory: an exclusive flock on the folder itself. The kernel drops it
+    when the holder exits, however it exits (kill -9 leaves no stale lock to clean up)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkbenchError(f"{self.path} is in use by another running process (a run is training into it); "
+                                 "wait for it to finish or stop it first") from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def in_use(path: str | Path) -> bool:
+    """Whether a live process holds the run directory (its lock)."""
+    lock = RunLock(Path(path))
+    try:
+        lock.acquire()
+    except (WorkbenchError, OSError):
+        return Path(path).is_dir()
+    lock.release()
+    return False
 
 
 def environment(accelerator) -> dict:
@@ -214,18 +296,37 @@ def load_run(path: str | Path) -> Run:
         raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
     import yaml
 
-    data = run_dir.read_json()
-    recipe = yaml.safe_load(run_dir.recipe.read_text()) if run_dir.recipe.exists() else {}
-    return Run(run_dir.path, recipe, data.get("summary", {}), data.get("env", {}), read_metrics(run_dir.metrics),
+    try:
+        data = run_dir.read_json()
+        recipe = (yaml.safe_load(run_dir.recipe.read_text()) if run_dir.recipe.exists() else {}) or {}
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise WorkbenchError(f"{run_dir.path}: unreadable run files ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict) or not isinstance(recipe, dict):
+        raise WorkbenchError(f"{run_dir.path}: unreadable run files (run.json or recipe.yaml is not a mapping)")
+    summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
+    if summary.get("status") == "running" and not in_use(run_dir.path):
+        summary = {**summary, "status": "died"}  # its process is gone without a word (kill -9, power loss)
+    return Run(run_dir.path, recipe, summary, data.get("env", {}), read_metrics(run_dir.metrics),
                data.get("evaluation") or {})
 
 
 def list_runs(root: str | Path = "runs") -> list[Run]:
     """Every run directory directly under `root`, sorted by name."""
+    import warnings
+
     root = Path(root)
     if not root.exists():
         return []
-    return [load_run(child) for child in sorted(root.iterdir()) if (child / "run.json").exists()]
+    if not root.is_dir():
+        raise WorkbenchError(f"{root}: not a folder of runs")
+    runs = []
+    for child in sorted(root.iterdir()):
+        if (child / "run.json").exists():
+            try:
+                runs.append(load_run(child))
+            except WorkbenchError as err:  # one damaged run must not hide the others
+                warnings.warn(f"skipped {err}", stacklevel=2)
+    return runs
 
 
 COMPARE_COLUMNS = ["run", "status", "method", "strategy", "world_size", "steps", "tokens_per_s",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import time
 from contextlib import nullcontext
@@ -32,7 +33,8 @@ from .precision import compute_dtype_of, local_kind, resolve_recipe
 from .preflight import check_disk_space, preflight
 from .quiet import quiet_libraries
 from .recipe import Recipe
-from .runs import RunDir, TrainResult, environment, metrics_frame, write_json_atomic
+from .resume import check_resume
+from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder, write_json_atomic
 from .stopping import StopRequest, agree
 
 
@@ -56,11 +58,19 @@ class Progress:
 
 
 def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
-    """Train the recipe in this process (one of N when launched with `accelerate launch`)."""
+    """Train the recipe in this process (one of N when launched with `accelerate launch`).
+
+    Nothing in the run directory is touched until the recipe, the data and the model have been checked:
+    a bad row or a refused resume leaves an earlier run exactly as it was."""
     started = time.perf_counter()
     quiet_libraries()
+    if resume and overwrite:
+        raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
     run = RunDir(recipe.run_dir)
     threads, threads_why = configure_threads(recipe.training.threads)  # before the precision probe times matmuls
+    changes = {}
+    if resume and run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
+        recipe, changes = check_resume(recipe, run)
     # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
     recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
@@ -73,33 +83,60 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, prog
     if accelerator.num_processes > 1:
         accelerator.print(f"strategy: {strategy} ({why}), {accelerator.num_processes} processes, "
                           f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
-    if main:
-        run.prepare(resume=resume, overwrite=overwrite)
-    accelerator.wait_for_everyone()
-    if main:
-        recipe.save(run.recipe)
-        run.update_json(env=environment(accelerator), summary={
-            "status": "running", "strategy": strategy, "strategy_reason": why, **precision.to_json(),
-            "threads": threads, "threads_reason": threads_why, "warnings": warnings})
-        for warning in warnings:
-            accelerator.print(f"warning: {warning}")
-    try:
-        with StopRequest() as stop:
-            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop)
-    except BaseException as err:
+    for warning in warnings:
+        accelerator.print(f"warning: {warning}")
+    taken = False
+
+    def take_over(data_stats: dict) -> None:
+        """Called by the loop once data and model are ready: only now is the run directory written."""
+        nonlocal taken
         if main:
+            if resume:
+                check_same_data(run, data_stats)
+            else:
+                run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
+            recipe.save(run.recipe)
+            start = {"status": "running", "strategy": strategy, "strategy_reason": why, **precision.to_json(),
+                     "threads": threads, "threads_reason": threads_why, "warnings": warnings}
+            if changes:
+                latest = run.latest_checkpoint()
+                history = run.read_json().get("summary", {}).get("resume_changes", [])
+                start["resume_changes"] = [*history, {"from_step": latest[0] if latest else 0, "changes": changes}]
+            run.update_json(env=environment(accelerator), summary=start)
+        accelerator.wait_for_everyone()
+        taken = True
+
+    try:
+        if main:
+            run.claim(resume=resume, overwrite=overwrite)  # the lock; refusals; nothing deleted yet
+        accelerator.wait_for_everyone()
+        with StopRequest() as stop:
+            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop, take_over)
+    except BaseException as err:
+        if main and taken:
             status = "interrupted" if isinstance(err, (KeyboardInterrupt, Interrupted)) else "failed"
             run.update_json(summary={"status": status, "error": f"{type(err).__name__}: {err}"})
         raise
     finally:
         accelerator.end_training()
+        run.release()
     if main:
         summary = run.read_json()["summary"]  # with what was recorded at the start
     return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
 
 
+def check_same_data(run: RunDir, stats: dict) -> None:
+    """A resumed run trains on the bytes it started on: a data file changed since then is refused."""
+    recorded = run.read_json().get("summary", {})
+    for key in ("train_sha256", "eval_sha256"):
+        if recorded.get(key) and stats.get(key) and recorded[key] != stats[key]:
+            part = key.split("_")[0]
+            raise WorkbenchError(f"--resume: data.{part} changed since the run started (its content hash differs); "
+                                 "resume with the data it started on, or start a new run")
+
+
 def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
-           strategy: str, stop: StopRequest) -> dict:
+           strategy: str, stop: StopRequest, take_over) -> dict:
     cfg = recipe.training
     main = accelerator.is_main_process
     torch.manual_seed(cfg.seed)
@@ -132,6 +169,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     check_disk_space(recipe, trainable_params)
     flop_counter = FlopCounter(model, model.config)
     optimizer = build_optimizer(model, recipe)
+    take_over(data.stats)  # everything checked: from here on the run directory is this run's
 
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     if eval_loader is not None:
@@ -388,8 +426,13 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> 
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         target = run.adapter if recipe.adapter.method != "full" else run.path / "model"
-        unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(target)
+        # staged and renamed into place, as checkpoints are: a kill or a full disk mid-write leaves the
+        # previous adapter (or none), never a half-written one
+        staging = target.with_name(f".tmp-{target.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        replace_folder(staging, target)
     accelerator.wait_for_everyone()
 
 

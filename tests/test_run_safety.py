@@ -1,0 +1,165 @@
+"""A run directory means what its files say: one writer at a time, nothing replaced before the new run is
+checked, resume only continues the same run, adapters written whole. Each test reproduces a loss first."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench import load_run, train
+from workbench.errors import DataError, RecipeError, WorkbenchError
+from workbench.export import load_for_inference
+from workbench.runs import RunDir, in_use, write_json_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chat_rows(path: Path, count: int, offset: int = 0) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"what is {i} + {offset}?"},
+                          {"role": "assistant", "content": str(i + offset)}]} for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_resume_and_overwrite_together_are_refused(tiny_recipe):
+    with pytest.raises(WorkbenchError, match="contradict"):
+        train(tiny_recipe, resume=True, overwrite=True, progress_bar=False)
+    assert not tiny_recipe.run_dir.exists()
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_data_is_checked(tiny_recipe, tmp_path):
+    done = train(tiny_recipe.override("training.max_steps=2"), progress_bar=False)
+    before = {p: p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n{\"messages\": 3}\n")
+    with pytest.raises(DataError):
+        train(tiny_recipe.override(f"data.train={bad}"), overwrite=True, progress_bar=False)
+    after = {p: p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    assert after == before  # not one byte of the earlier run changed
+    assert load_run(done.run_dir).summary["status"] == "completed"
+
+
+def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tiny_recipe):
+    done = train(tiny_recipe.override("training.max_steps=2", "output.save_every=1"), progress_bar=False)
+    adapter = (done.run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(WorkbenchError, match="has completed; nothing to resume"):
+        train(tiny_recipe.override("training.max_steps=2", "output.save_every=1"), resume=True, progress_bar=False)
+    assert (done.run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+
+
+def interrupted_run(tiny_recipe):
+    """A run that saved step 2 of 4 and then died (as kill -9 leaves it: status running, no adapter)."""
+    recipe = tiny_recipe.override("training.max_steps=4", "output.save_every=2")
+    done = train(recipe, progress_bar=False)
+    run = RunDir(done.run_dir)
+    import shutil
+
+    shutil.rmtree(run.checkpoint(4))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    return recipe, run
+
+
+def test_resume_refuses_a_changed_recipe_naming_every_change(tiny_recipe):
+    recipe, run = interrupted_run(tiny_recipe)
+    saved = run.recipe.read_text()
+    with pytest.raises(RecipeError) as err:
+        train(recipe.override("training.lr=0.1", "adapter.r=4", "training.max_steps=9"), resume=True,
+              progress_bar=False)
+    message = str(err.value)
+    assert "training.lr: 0.003 -> 0.1" in message and "adapter.r: 8 -> 4" in message
+    assert "training.max_steps: 4 -> 9" in message
+    assert run.recipe.read_text() == saved and run.read_json()["summary"]["status"] == "running"
+
+
+def test_resume_allows_safe_changes_and_records_them(tiny_recipe):
+    recipe, run = interrupted_run(tiny_recipe)
+    result = train(recipe.override("output.log_every=2"), resume=True, progress_bar=False)
+    assert result.summary["status"] == "completed" and result.summary["steps"] == 4
+    (record,) = result.summary["resume_changes"]
+    assert record == {"from_step": 2, "changes": {"output.log_every": [1, 2]}}
+
+
+def test_resume_refuses_data_that_changed_since_the_start(tiny_recipe, tmp_path):
+    data = chat_rows(tmp_path / "d.jsonl", 24)
+    recipe, run = interrupted_run(tiny_recipe.override(f"data.train={data}"))
+    chat_rows(data, 24, offset=5)  # same path, other rows
+    with pytest.raises(WorkbenchError, match="data.train changed since the run started"):
+        train(recipe, resume=True, progress_bar=False)
+    assert run.read_json()["summary"]["status"] == "running"
+
+
+def test_the_data_cache_never_serves_stale_rows(tiny_recipe, tmp_path):
+    """datasets keys local files by path and mtime: same path, same mtime, other content must retrain."""
+    data = chat_rows(tmp_path / "d.jsonl", 40)
+    os.utime(data, (1577836800, 1577836800))
+    recipe = tiny_recipe.override(f"data.train={data}", "training.max_steps=1")
+    first = train(recipe, progress_bar=False).summary
+    chat_rows(data, 120, offset=7)
+    os.utime(data, (1577836800, 1577836800))
+    second = train(recipe, overwrite=True, progress_bar=False).summary
+    assert (first["train_samples"], second["train_samples"]) == (40, 120)
+    assert first["train_sha256"] != second["train_sha256"] and second["cached"] is False
+
+
+def test_an_adapter_is_written_whole_or_not_at_all(tiny_recipe, monkeypatch):
+    from peft import PeftModel
+
+    def disk_full(self, path, **kwargs):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "README.md").write_text("partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", disk_full)
+    with pytest.raises(OSError):
+        train(tiny_recipe.override("training.max_steps=1"), progress_bar=False)
+    assert not (tiny_recipe.run_dir / "adapter").exists()  # no adapter/ holding only a README
+    with pytest.raises(WorkbenchError, match="has no adapter"):
+        load_for_inference(tiny_recipe.run_dir)
+
+
+def test_a_damaged_adapter_is_one_line(tiny_recipe):
+    done = train(tiny_recipe.override("training.max_steps=1"), progress_bar=False)
+    (done.run_dir / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(WorkbenchError, match="damaged adapter .adapter_model.safetensors missing"):
+        load_for_inference(done.run_dir)
+
+
+def test_nan_is_written_as_null(tmp_path):
+    write_json_atomic(tmp_path / "run.json", {"summary": {"final_loss": float("nan"), "x": [float("inf"), 1.0]}})
+    assert json.loads((tmp_path / "run.json").read_text()) == {"summary": {"final_loss": None, "x": [None, 1.0]}}
+
+
+def cli(*args, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "workbench", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_runs_cannot_share_a_folder_and_kill_9_leaves_no_stale_lock(tmp_path):
+    run_dir = tmp_path / "race"
+    common = ["recipes/tiny.yaml", "--no-progress", f"output.dir={run_dir}", "training.threads=1",
+              "output.log_every=1", "training.max_steps=400", "output.save_every=1", "data.eval=null"]
+    first = cli("train", *common)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert in_use(run_dir)
+        second = subprocess.run([sys.executable, "-m", "workbench", "train", *common, "--overwrite"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1 and "in use by another running process" in second.stderr
+        assert first.poll() is None and (run_dir / "metrics.jsonl").exists()  # the first run goes on
+        while not RunDir(run_dir).complete_checkpoints() and first.poll() is None:
+            time.sleep(0.1)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert not in_use(run_dir)  # the kernel dropped the lock with its holder
+    assert load_run(run_dir).summary["status"] == "died"  # `running` with no live owner
+    # resuming after kill -9 (the lock gone with its holder) is covered end to end by tests/test_crash.py

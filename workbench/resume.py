@@ -1,0 +1,67 @@
+"""What `--resume` may change: the recipe a run saved decides, and only changes that keep the run the same run pass.
+
+A resumed run must continue the run its files describe. Settings that change what is trained, on which data,
+or the schedule it follows (lr, steps, batch, adapter shape, precision) are refused with one error listing
+them; settings that only change how the run is watched or how fast it goes are allowed and recorded with
+the checkpoint step they start from. `auto` in the new recipe keeps what the run resolved it to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import RecipeError
+from .precision import AUTO
+from .recipe import Recipe
+from .runs import RunDir
+
+# Dotted keys (or section prefixes ending in ".") a resume may change.
+SAFE_TO_CHANGE = (
+    "output.log_every", "output.eval_every", "output.save_every", "output.keep_last", "output.trackers",
+    "output.sample_prompts", "output.sample_max_new_tokens", "training.threads", "training.on_nonfinite",
+    "training.fast_paths", "training.gradient_checkpointing", "training.activation_offloading",
+    "name", "output.dir",  # where the run is: found already, by this very recipe
+    "distributed.",  # the strategy of the processes that continue it (checked when the state loads)
+)
+PRECISION_KEYS = ("model.dtype", "training.mixed_precision", "quantization.compute_dtype")
+
+
+def check_resume(recipe: Recipe, run: RunDir) -> tuple[Recipe, dict[str, list]]:
+    """The recipe to continue with, and the allowed changes ({key: [saved, new]}); RecipeError listing every
+    refused change otherwise."""
+    try:
+        saved = Recipe.load(run.recipe)
+    except (RecipeError, OSError) as err:
+        raise RecipeError(f"--resume: cannot read the run's own recipe {run.recipe}: {err}") from None
+    old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
+    for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
+        if new.get(key) == AUTO and key in old:
+            new[key] = old[key]
+    changed = {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+    refused = {k: v for k, v in changed.items() if not _safe(k)}
+    if refused:
+        listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+        raise RecipeError(f"--resume: the recipe differs from the run's own ({run.recipe}) in what it trains: "
+                          f"{listed}. Resume with the run's recipe, or start a new run (another name or --overwrite). "
+                          f"A resume may change only {', '.join(SAFE_TO_CHANGE)}")
+    overrides = {key.replace(".", "__"): new[key] for key in PRECISION_KEYS if key in new}
+    return recipe.override(**overrides), changed
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
