@@ -367,7 +367,7 @@ def finished(tmp_path_factory):
 def test_a_launched_job_runs_to_completion_and_is_watched(finished):
     h, root = finished
     job = json.loads((root / ".workbench-ui/jobs/ui-job/job.json").read_text())
-    assert job["command"] == ["train", ".workbench-ui/jobs/ui-job/recipe.yaml", "--overwrite", "--no-progress"]
+    assert job["command"] == ["train", ".workbench-ui/jobs/ui-job/recipe.yaml", "--no-progress"]
     status, progress, log, loss, speed, signature = h.job_view("ui-job")
     assert "completed" in status and "step 20 / 20" in status and "20 / 20 steps" in progress
     assert "$ workbench train" in log and "final train loss" in log
@@ -416,7 +416,7 @@ def test_stop_sends_sigint_and_resume_continues(root):
     assert "sent SIGINT" in h.stop("long")
     assert h.jobs.wait("long", timeout=60) not in (None, 0)
     log = h.jobs.log_tail("long")
-    assert "$ workbench train .workbench-ui/jobs/long/recipe.yaml --overwrite --no-progress" in log
+    assert "$ workbench train .workbench-ui/jobs/long/recipe.yaml --no-progress" in log
     assert "$ workbench train runs/long/recipe.yaml --resume --no-progress" in log
 
 
@@ -430,3 +430,120 @@ def test_every_plot_of_the_page_renders_the_charts_figures(tmp_path):
     for plot in plots:
         data = plot.postprocess(charts.empty("nothing yet"))
         assert data.type == "matplotlib" and data.plot.startswith("data:image/png;base64,")
+
+
+# -- attacks: each reproduces a loss or an escape first ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("out", [".", "runs", "recipes", "runs/a/b", "../outside", "runs/{name}/.."])
+def test_a_launch_can_only_write_a_folder_directly_under_runs(h, root, out):
+    files = sorted(p for p in root.rglob("*"))
+    name, status = h.launch(tiny_text("evil", f"output.dir={out}"), 1)
+    assert name is None and "output.dir" in status and "refused" in status
+    assert sorted(p for p in root.rglob("*")) == files  # nothing deleted, nothing written
+
+
+def test_an_unknown_placeholder_is_one_clear_error(h):
+    status, bad = h.check({**Recipe.load(ROOT / "recipes/tiny.yaml").to_dict(), "output": {"dir": "runs/{foo}"}})
+    assert "output.dir" in status and "placeholder" in status and bad
+
+
+def test_replacing_a_run_needs_the_box_and_a_second_launch(h, root):
+    run = root / "runs/keep"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"summary": {"status": "completed", "steps": 2}}))
+    text = tiny_text("keep", "training.max_steps=1")
+    name, status = h.launch(text, 1)
+    assert name is None and "already holds a run (completed, 2 steps)" in status
+    name, status = h.launch(text, 1, True)
+    assert name is None and "DELETED: press Launch again to confirm" in status
+    assert (run / "run.json").exists()
+    name, status = h.launch(text, 1, True)
+    assert name == "keep" and "--overwrite" in status
+    assert h.jobs.wait("keep", timeout=240) == 0, h.jobs.log_tail("keep")
+
+
+def test_save_writes_only_recipes_whose_paths_stay_inside(h, root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.jsonl").write_text("{}\n")
+    (root / "runs/x").mkdir(parents=True)
+    assert "must be under recipes/" in h.save_recipe("runs/x/recipe.yaml", tiny_text("x"))
+    assert not (root / "runs/x/recipe.yaml").exists()
+    evil = tiny_text("x", f"data.train={outside}/secret.jsonl")
+    assert "outside the workspace" in h.save_recipe("recipes/evil.yaml", evil)
+    assert not (root / "recipes/evil.yaml").exists()
+    assert "saved recipes/fine.yaml" in h.save_recipe("recipes/fine.yaml", tiny_text("fine"))
+
+
+def test_resume_runs_only_a_recipe_that_passes_the_launch_checks(h, root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.jsonl").write_text((ROOT / "recipes/data/tiny_chat.jsonl").read_text())
+    name, status = h.launch(tiny_text("edited", "training.max_steps=2", "output.save_every=1"), 1)
+    assert h.jobs.wait(name, timeout=240) == 0, h.jobs.log_tail(name)
+    recipe = root / "runs/edited/recipe.yaml"
+    data = yaml.safe_load(recipe.read_text())
+    data["data"]["train"] = f"{outside}/secret.jsonl"
+    recipe.write_text(yaml.safe_dump(data))
+    assert "not resumed" in (status := h.resume("edited")) and "outside the workspace" in status
+    data["data"]["train"], data["output"]["dir"] = "recipes/data/tiny_chat.jsonl", str(outside / "runout")
+    recipe.write_text(yaml.safe_dump(data))
+    assert "not resumed" in (status := h.resume("edited")) and "output.dir" in status
+    assert not (outside / "runout").exists()
+
+
+def test_remote_code_needs_the_servers_flag(root):
+    text = tiny_text("remote", "model.trust_remote_code=true")
+    assert "trust_remote_code" in Handlers(root).launch(text, 1)[1]
+    assert "--allow-remote-code" in Handlers(root).check(yaml.safe_load(text))[0]
+    assert "trust_remote_code" not in Handlers(root, allow_remote_code=True).check(yaml.safe_load(text))[0]
+
+
+def test_jobs_run_the_installed_workbench_not_one_planted_in_the_workspace(h, root):
+    planted = root / "workbench"
+    planted.mkdir()
+    (planted / "__init__.py").write_text("raise SystemExit('PLANTED CODE RAN')\n")
+    (planted / "__main__.py").write_text("raise SystemExit('PLANTED CODE RAN')\n")
+    name, status = h.launch(tiny_text("safe", "training.max_steps=1"), 1)
+    assert h.jobs.wait(name, timeout=240) == 0, h.jobs.log_tail(name)
+    assert "PLANTED" not in h.jobs.log_tail(name)
+
+
+def test_chat_refuses_a_run_whose_recipe_points_outside(h, root, tmp_path_factory):
+    run = root / "runs/evil"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "recipe.yaml").write_text(tiny_text("evil", f"model.path={tmp_path_factory.mktemp('m')}"))
+    base, tuned, status = h.chat("evil", "hi")
+    assert (base, tuned) == ("", "") and "outside the workspace" in status
+
+
+@pytest.mark.slow
+def test_stop_during_loading_is_not_lost(h):
+    """SIGINT while the libraries and the model load: the job exits (130) instead of training on."""
+    name, status = h.launch(tiny_text("early", "training.max_steps=3000"), 1)
+    assert name == "early", status
+    time.sleep(3)  # past the interpreter's own start-up, into the imports and model loading
+    assert "sent SIGINT" in h.stop(name)
+    assert h.jobs.wait(name, timeout=120) == 130, h.jobs.log_tail(name)
+    assert h.jobs.status(name).state != "completed"
+
+
+def test_stop_escalates_sigint_sigterm_then_sigkill(h, monkeypatch):
+    """A job that ignores SIGINT and SIGTERM (wedged in a collective, say) still stops: the third Stop kills it."""
+    import subprocess
+    import sys
+
+    from ui.jobs import Job
+
+    code = "import signal, time; signal.signal(2, signal.SIG_IGN); signal.signal(15, signal.SIG_IGN); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code, "workbench"], start_new_session=True)
+    h.jobs._procs["wedged"] = proc
+    h.jobs._folder("wedged").mkdir(parents=True)
+    h.jobs._write(Job("wedged", "runs/wedged", ["train"], proc.pid, time.time(), "x.log"))
+    time.sleep(0.5)  # let it install its handlers
+    assert "sent SIGINT" in h.stop("wedged")
+    assert "sent SIGTERM" in h.stop("wedged")
+    assert "Stop again after" in h.stop("wedged") and proc.poll() is None  # within the grace: only explains
+    monkeypatch.setattr("ui.jobs.STOP_GRACE_S", 0.0)
+    assert "sent SIGKILL" in h.stop("wedged")
+    assert proc.wait(timeout=10) == -9

@@ -96,8 +96,8 @@ def _form(values: list) -> tuple[dict, dict, dict]:
     return widgets, accordions, problems
 
 
-def build_app(root: str | Path = ".") -> gr.Blocks:
-    h = Handlers(root)
+def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blocks:
+    h = Handlers(root, allow_remote_code)
     defaults = form.widgets_from_dict(form.default_dict())
     first_yaml = form.to_yaml(form.dict_from_widgets(defaults))
     first_status, _ = h.check(form.dict_from_widgets(defaults))
@@ -195,6 +195,8 @@ def build_app(root: str | Path = ".") -> gr.Blocks:
                                     "A run keeps going when this page is closed.", elem_classes="wb-hint")
                         nproc = gr.Number(1, label="processes", precision=0, minimum=1,
                                           info="1: workbench train; more: workbench launch --nproc N")
+                        replace = gr.Checkbox(False, label="replace the existing run", elem_id="replace-run",
+                                              info="a run of this name is deleted first (you are asked to confirm)")
                         launch_btn = gr.Button("Launch", variant="primary", elem_id="launch-btn")
                         job_dd = gr.Dropdown(label="job", choices=h.jobs.names(), elem_id="job-choice")
                         with gr.Row():
@@ -215,12 +217,12 @@ def build_app(root: str | Path = ".") -> gr.Blocks:
                 def on_view(name, last):
                     return _skip(h.job_view(name, last))
 
-                def on_launch(text, n):
-                    name, message = h.launch(text, n)
+                def on_launch(text, n, replace_run):
+                    name, message = h.launch(text, n, replace_run)
                     choices = h.jobs.names()
                     return gr.update(choices=choices, value=name or (choices[0] if choices else None)), message
 
-                launch_btn.click(on_launch, [yaml_code, nproc], [job_dd, train_msg]).then(
+                launch_btn.click(on_launch, [yaml_code, nproc, replace], [job_dd, train_msg]).then(
                     on_view, [job_dd, gr.State(None)], view_outputs)
                 stop_btn.click(h.stop, job_dd, train_msg)
                 resume_btn.click(h.resume, job_dd, train_msg)
@@ -291,13 +293,17 @@ def parse_auth(auth: str | tuple[str, str] | None) -> tuple[str, str] | None:
 
 
 def launch(host: str = "127.0.0.1", port: int = 7860, auth: str | tuple[str, str] | None = None,
-           root: str | Path = ".", block: bool = True) -> gr.Blocks:
-    """Serve the UI. `auth` is "USER:PASS" or (user, password); binds 127.0.0.1 unless told otherwise."""
+           root: str | Path = ".", block: bool = True, allow_remote_code: bool = False) -> gr.Blocks:
+    """Serve the UI. `auth` is "USER:PASS" or (user, password); binds 127.0.0.1 unless told otherwise.
+    `allow_remote_code`: let recipes set model.trust_remote_code (code from a model repository runs here)."""
     auth = parse_auth(auth)
     workspace = Workspace(root)
+    if host not in ("127.0.0.1", "localhost", "::1") and auth is None:
+        print(f"warning: serving on {host} without --auth: anyone who reaches this address can train, delete "
+              "runs and read the workspace; set WORKBENCH_UI_AUTH=USER:PASS", flush=True)
     exports = workspace.ui_dir / "exports"  # the only workspace folder Gradio may serve files from (CSV exports)
     exports.mkdir(parents=True, exist_ok=True)
-    demo = build_app(workspace.root)
+    demo = build_app(workspace.root, allow_remote_code)
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name=host, server_port=port, auth=auth, share=False, theme=style.THEME, css=style.CSS,
                 allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False, show_error=True)

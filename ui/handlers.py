@@ -7,6 +7,7 @@ wires them to Gradio components. Errors a user can act on come back as a status 
 from __future__ import annotations
 
 import html
+import json
 import time
 from pathlib import Path
 
@@ -51,10 +52,15 @@ def error_sections(message: str) -> dict[str, list[str]]:
     return found
 
 
+REPLACE_CONFIRM_S = 60.0  # a second Launch within this time confirms replacing an existing run
+
+
 class Handlers:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, allow_remote_code: bool = False):
         self.ws = Workspace(root)
-        self.jobs = registry_for(self.ws.root)
+        self.allow_remote_code = allow_remote_code
+        self.jobs = registry_for(self.ws.root, allow_remote_code)
+        self._replace_asked: dict[str, float] = {}  # run directory -> when the user was asked to confirm
 
     # -- Configure ------------------------------------------------------------------------------
 
@@ -62,7 +68,7 @@ class Handlers:
         """(status html, {section: problems}) for a recipe mapping, from the CLI's validator."""
         try:
             recipe = form.validate(data)
-            self.ws.check_recipe_paths(recipe)
+            self.ws.check_recipe_paths(recipe, self.allow_remote_code)
         except WorkbenchError as err:
             return status_html("error", str(err)), error_sections(str(err))
         return status_html("ok", f"valid recipe · {recipe.name} · {recipe.adapter.method} on {recipe.model.path}"), {}
@@ -99,8 +105,8 @@ class Handlers:
     def save_recipe(self, relative: str, text: str) -> str:
         """Save the YAML as shown, after validation, to a .yaml file inside the workspace."""
         try:
-            path = self.ws.recipe_file(relative or "", must_exist=False)
-            form.recipe_from_yaml(text)
+            path = self.ws.saved_recipe_file(relative or "")
+            self.ws.check_recipe_paths(form.recipe_from_yaml(text), self.allow_remote_code)
         except WorkbenchError as err:
             return status_html("error", f"not saved: {err}")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,11 +155,25 @@ class Handlers:
 
     # -- Train ----------------------------------------------------------------------------------
 
-    def launch(self, text: str, nproc: float) -> tuple[str | None, str]:
-        """(job name, status html): validate the YAML and start the CLI in a subprocess."""
+    def launch(self, text: str, nproc: float, replace: bool = False) -> tuple[str | None, str]:
+        """(job name, status html): validate the YAML and start the CLI in a subprocess. A run directory that
+        already holds a run is replaced only with `replace` ticked and a second Launch to confirm."""
         try:
             recipe = form.recipe_from_yaml(text)
-            job = self.jobs.start(recipe, nproc=1 if nproc is None else int(nproc))
+            run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            existing = run_path.is_dir() and any(run_path.iterdir())
+            where = self.ws.relative(run_path)
+            if existing and not replace:
+                return None, status_html("error", f"not launched: {where} already holds a run ({_run_line(run_path)}); "
+                                                  "tick 'replace the existing run' to delete it and start again, "
+                                                  "or give the recipe another name")
+            if existing:
+                asked = self._replace_asked.pop(where, None)
+                if asked is None or time.time() - asked > REPLACE_CONFIRM_S:
+                    self._replace_asked[where] = time.time()
+                    return None, status_html("warn", f"{where} holds a run ({_run_line(run_path)}) that will be "
+                                                     "DELETED: press Launch again to confirm")
+            job = self.jobs.start(recipe, nproc=1 if nproc is None else int(nproc), replace=existing)
         except WorkbenchError as err:
             return None, status_html("error", f"not launched: {err}")
         return job.name, status_html("info", f"launched {job.name}: workbench {' '.join(job.command)}")
@@ -245,12 +265,26 @@ class Handlers:
 
         try:
             run_dir = self.ws.run_dir(name)
+            from workbench.recipe import Recipe
+
+            # the run's own recipe names the model to load: it passes the same checks as a launch
+            self.ws.check_recipe_paths(Recipe.load(run_dir / "recipe.yaml"), self.allow_remote_code)
             tokens = int(max_new_tokens or 64)
             base = generate(run_dir, prompt, base=True, max_new_tokens=tokens)
             tuned = generate(run_dir, prompt, base=False, max_new_tokens=tokens)
         except (WorkbenchError, OSError, ValueError) as err:  # e.g. a run without an adapter, a missing model
             return "", "", status_html("error", str(err))
+        if not tuned.strip():
+            return base, tuned, status_html("warn", f"{name}'s tuned model answered with nothing (it stopped at once)")
         return base, tuned, status_html("ok", f"answered with {name}'s base model and its adapter")
+
+
+def _run_line(run_path: Path) -> str:
+    try:
+        summary = json.loads((run_path / "run.json").read_text()).get("summary", {})
+    except (OSError, ValueError, AttributeError):
+        return "unreadable run.json"
+    return f"{summary.get('status', '?')}, {summary.get('steps', 0) or 0} steps"
 
 
 def display_table(rows: list[dict]) -> pd.DataFrame:

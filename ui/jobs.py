@@ -1,10 +1,13 @@
 """Training jobs launched from the UI: the CLI in a subprocess, tracked on disk so a reopened page finds them.
 
-A job is `python -m workbench train RECIPE --overwrite --no-progress` (or `launch RECIPE --nproc N`),
-started with an argument list (never a shell) in its own process group, with the workspace root as its
-working directory. Its record lives in <root>/.workbench-ui/jobs/<name>/ (job.json, recipe.yaml,
-train.log) — beside the run directory, not in it, because `--overwrite` clears the run directory.
-Stop sends SIGINT to the process group; Resume starts `train <run>/recipe.yaml --resume`.
+A job is `python -P -m workbench train RECIPE --no-progress` (or `launch RECIPE --nproc N`), with
+`--overwrite` only when the user confirmed replacing an existing run. It is started with an argument list
+(never a shell) in its own process group, with the workspace root as its working directory but never on
+the import path (-P, PYTHONSAFEPATH): the installed workbench runs, not a `workbench/` planted in the
+workspace. Its record lives in <root>/.workbench-ui/jobs/<name>/ (job.json, recipe.yaml, train.log),
+beside the run directory, not in it. Stop sends SIGINT to the process group (the run checkpoints and
+exits), a second Stop SIGTERM, a third SIGKILL once the grace period has passed. Resume starts
+`train <run>/recipe.yaml --resume`, after the same path checks as a launch.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Job:
     log: str  # relative to the root
     returncode: int | None = None
     stop_requested: float | None = None
+    stops: int = 0  # Stop presses since the last start: SIGINT, then SIGTERM, then SIGKILL
     history: list[str] = field(default_factory=list)  # earlier commands of this job (start, resumes)
 
 
@@ -64,13 +68,18 @@ class JobStatus:
     command: list[str]
 
 
-def registry_for(root: str | Path) -> "JobRegistry":
+STOP_GRACE_S = 30.0  # what a run gets to checkpoint after Stop before a third Stop may SIGKILL it
+
+
+def registry_for(root: str | Path, allow_remote_code: bool = False) -> "JobRegistry":
     """One registry per workspace per server process, shared by every page and every rebuilt app."""
     workspace = Workspace(root)
     with _LOCK:
         if workspace.root not in _REGISTRIES:
             _REGISTRIES[workspace.root] = JobRegistry(workspace)
-        return _REGISTRIES[workspace.root]
+        registry = _REGISTRIES[workspace.root]
+        registry.allow_remote_code = allow_remote_code
+        return registry
 
 
 class JobRegistry:
@@ -79,12 +88,14 @@ class JobRegistry:
         self.dir = workspace.ui_dir / "jobs"
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
+        self.allow_remote_code = False
 
     # -- starting -------------------------------------------------------------------------------
 
-    def start(self, recipe, nproc: int = 1) -> Job:
-        """Save the recipe beside the job record and run it through the CLI."""
-        self.ws.check_recipe_paths(recipe)
+    def start(self, recipe, nproc: int = 1, replace: bool = False) -> Job:
+        """Save the recipe beside the job record and run it through the CLI. An existing run of that name is
+        replaced only with `replace` (the UI asks first); otherwise the CLI refuses to touch it."""
+        run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)
         if nproc < 1:
             raise JobError("processes: must be at least 1")
         with self._lock:
@@ -94,9 +105,8 @@ class JobRegistry:
             recipe_file = folder / "recipe.yaml"
             recipe.save(recipe_file)
             rel = self.ws.relative(recipe_file)
-            command = _command(rel, int(nproc), "--overwrite")
-            run_dir = self.ws.relative(self.ws.resolve(recipe.output.dir.format(name=recipe.name)))
-            return self._spawn(recipe.name, run_dir, command, fresh_log=True)
+            command = _command(rel, int(nproc), "--overwrite" if replace else None)
+            return self._spawn(recipe.name, self.ws.relative(run_path), command, fresh_log=True)
 
     def resume(self, name: str) -> Job:
         """Continue a stopped run from its last complete checkpoint (`train <run>/recipe.yaml --resume`)."""
@@ -108,15 +118,28 @@ class JobRegistry:
             recipe = self.ws.resolve(f"{job.run_dir}/recipe.yaml", what="run recipe")
             if not recipe.is_file():
                 recipe = self._folder(name) / "recipe.yaml"
+            self._check_resumable(recipe, job)
             nproc = int(job.command[job.command.index("--nproc") + 1]) if "--nproc" in job.command else 1
             command = _command(self.ws.relative(recipe), nproc, "--resume")
             return self._spawn(name, job.run_dir, command, fresh_log=False, earlier=job)
 
+    def _check_resumable(self, recipe_file: Path, job: Job) -> None:
+        """The recipe a resume runs (the run's own file, which anyone with the workspace can edit) passes the
+        launch's checks, and still names the job's run directory."""
+        from workbench.recipe import Recipe
+
+        recipe = Recipe.load(recipe_file)
+        run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+        if run_path != self.ws.resolve(job.run_dir, what="run directory"):
+            raise JobError(f"job {job.name}: its recipe now names another run directory ({recipe.output.dir}); "
+                           "launch it as a new run instead")
+
     def _spawn(self, name: str, run_dir: str, command: list[str], fresh_log: bool, earlier: Job | None = None) -> Job:
         folder = self._folder(name)
         log_path = folder / "train.log"
-        argv = [sys.executable, "-m", "workbench", *command]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False")
+        # -P: the working directory (the workspace) is not put on the import path
+        argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "workbench", *command]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False", PYTHONSAFEPATH="1")
         package_root = str(Path(workbench.__file__).resolve().parents[1])  # the same workbench as this server
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         with open(log_path, "w" if fresh_log else "a") as log:
@@ -138,19 +161,26 @@ class JobRegistry:
     # -- stopping ---------------------------------------------------------------------------------
 
     def stop(self, name: str) -> str:
-        """SIGINT to the job's process group: the trainer finishes its step, checkpoints and exits. Asked
-        again, a second SIGINT stops it at once (like Ctrl-C twice), without that checkpoint."""
+        """Stop: SIGINT to the job's process group (the trainer finishes its step, checkpoints and exits; one
+        still loading exits at once). Again: SIGTERM. A third time, once STOP_GRACE_S have passed: SIGKILL."""
         job = self._read(name)
         if job is None or not self._alive(job):
             return f"{name} is not running"
-        sig = signal.SIGINT
+        waited = time.time() - (job.stop_requested or time.time())
+        if job.stops >= 2 and waited < STOP_GRACE_S:
+            return (f"{name} got SIGINT and SIGTERM {waited:.0f} s ago and is saving its checkpoint; Stop again after "
+                    f"{STOP_GRACE_S:.0f} s to kill it (SIGKILL: the step in progress is lost)")
+        sig = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)[min(job.stops, 2)]
         try:
             os.killpg(job.pid, sig)  # started with start_new_session: the group id is the pid
         except ProcessLookupError:
             return f"{name} has already exited"
-        job.stop_requested = time.time()
+        job.stop_requested = job.stop_requested or time.time()
+        job.stops += 1
         self._write(job)
-        return f"sent {sig.name} to {name} (process group {job.pid}); it saves a checkpoint and stops"
+        then = {signal.SIGINT: "it saves a checkpoint and stops (Stop again: SIGTERM)",
+                signal.SIGTERM: "it saves a checkpoint and stops", signal.SIGKILL: "killed"}[sig]
+        return f"sent {sig.name} to {name} (process group {job.pid}); {then}"
 
     def wait(self, name: str, timeout: float) -> int | None:
         """Wait for a job this process started; its return code, or None on timeout."""
@@ -238,11 +268,12 @@ class JobRegistry:
         return _pid_runs_workbench(job.pid)  # started by an earlier server process
 
 
-def _command(recipe: str, nproc: int, mode: str) -> list[str]:
-    """The CLI arguments: `train RECIPE MODE --no-progress`, or `launch RECIPE --nproc N MODE` for several."""
+def _command(recipe: str, nproc: int, mode: str | None) -> list[str]:
+    """The CLI arguments: `train RECIPE [MODE] --no-progress`, or `launch RECIPE --nproc N [MODE]` for several."""
+    flags = [mode] if mode else []
     if nproc == 1:
-        return ["train", recipe, mode, "--no-progress"]
-    return ["launch", recipe, "--nproc", str(nproc), mode]
+        return ["train", recipe, *flags, "--no-progress"]
+    return ["launch", recipe, "--nproc", str(nproc), *flags]
 
 
 def _pid_runs_workbench(pid: int) -> bool:

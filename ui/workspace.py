@@ -81,9 +81,17 @@ class Workspace:
             raise PathError(f"run: {name} is not a run under {self.runs_dir}")
         return path
 
-    def check_recipe_paths(self, recipe) -> None:
-        """The files a run will read and write must stay inside the workspace too."""
-        self.resolve(recipe.output.dir.format(name=recipe.name), what="output.dir")
+    def check_recipe_paths(self, recipe, allow_remote_code: bool = False) -> Path:
+        """The files a run will read and write must stay inside the workspace too, and its run directory is
+        a folder directly under runs/ (so replacing it can never delete recipes, other runs or the UI's own
+        files). Returns that run directory."""
+        out = str(recipe.run_dir)
+        run_dir = self.resolve(out, what="output.dir")
+        if run_dir.parent != self.runs_dir.resolve() or run_dir.is_symlink():
+            raise PathError(f"output.dir: {out} must be a folder directly under runs/ (e.g. runs/{{name}}); refused")
+        if recipe.model.trust_remote_code and not allow_remote_code:
+            raise PathError("model.trust_remote_code: would run code from the model's repository on this server; "
+                            "refused (start the UI with --allow-remote-code to permit it)")
         self.resolve(recipe.data.train, what="data.train")
         if recipe.data.eval:
             self.resolve(recipe.data.eval, what="data.eval")
@@ -92,6 +100,14 @@ class Workspace:
         model = recipe.model.path
         if model.startswith((".", "/", "~")) or (self.root / model).exists():
             self.resolve(model, what="model.path")  # a local folder (builtin: names and hub ids are not files)
+        return run_dir
+
+    def saved_recipe_file(self, relative: str) -> Path:
+        """Where Save may write: a .yaml under recipes/ (never a run's own recipe or the UI's records)."""
+        path = self.recipe_file(relative, must_exist=False)
+        if not path.is_relative_to((self.root / "recipes").resolve()):
+            raise PathError(f"recipe file: {relative} must be under recipes/ (runs keep their own recipe)")
+        return path
 
     def _inside(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root)

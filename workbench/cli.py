@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .errors import Interrupted, RecipeError, WorkbenchError
@@ -16,11 +18,28 @@ QUICKSTART = Path("recipes/quickstart.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A program started with SIGINT ignored (`cmd &` in a script, a UI server started that way) would
+    # drop Ctrl-C and the UI's Stop: a command-line program takes the default back, before heavy imports.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the libraries load: nothing was written yet
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `workbench estimate ... --json | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     from .quiet import quiet_libraries
 
     quiet_libraries()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "chat":  # the chat command parses its own arguments, --help included
+        args.rest, extra = [*extra, *args.rest], []
     # argparse cannot mix positionals after options: collect key=value overrides wherever they stand
     stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
     if stray:
@@ -50,8 +69,11 @@ def _rank_prefix() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="workbench", description="LoRA/QLoRA fine-tuning from one YAML recipe.")
+    parser = argparse.ArgumentParser(prog="workbench", description="LoRA/QLoRA fine-tuning from one YAML recipe.",
+                                     allow_abbrev=False)  # `--resum` is a typo, not --resume
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: _add_parser(*a, **{"allow_abbrev": False, **k})
 
     def recipe_command(name: str, help_text: str, handler, optional: bool = False):
         cmd = sub.add_parser(name, help=help_text, description=help_text)
@@ -112,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="the web UI: configure, estimate, launch, watch and compare runs")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
     ui.add_argument("--port", type=int, default=7860)
-    ui.add_argument("--auth", default=None, metavar="USER:PASS", help="require a login")
+    ui.add_argument("--auth-file", default=None, metavar="FILE",
+                    help="require a login: FILE holds USER:PASS (or set WORKBENCH_UI_AUTH=USER:PASS; never on "
+                         "the command line, where `ps` shows it)")
+    ui.add_argument("--allow-remote-code", action="store_true",
+                    help="let recipes set model.trust_remote_code (runs a model repository's code on this server)")
     ui.add_argument("--root", default=".", help="workspace: where recipes/ and runs/ are")
     ui.set_defaults(handler=_ui)
 
@@ -247,13 +273,23 @@ def _chat(args) -> int:
     return chat_main(args.rest)
 
 
+def _ui_auth(args) -> str | None:
+    if args.auth_file:
+        try:
+            return Path(args.auth_file).read_text().strip()
+        except OSError as err:
+            raise RecipeError(f"--auth-file: cannot read {args.auth_file} ({err.strerror or err})") from None
+    return os.environ.get("WORKBENCH_UI_AUTH") or None
+
+
 def _ui(args) -> int:
     try:
         from ui.app import launch
     except ImportError as err:
         raise WorkbenchError(f"the UI needs its extra: pip install -e \".[ui]\" ({err})") from None
     try:
-        launch(host=args.host, port=args.port, auth=args.auth, root=args.root)
+        launch(host=args.host, port=args.port, auth=_ui_auth(args), root=args.root,
+               allow_remote_code=args.allow_remote_code)
     except ValueError as err:
         raise RecipeError(str(err)) from None
     except OSError as err:

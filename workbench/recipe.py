@@ -146,6 +146,15 @@ class DistributedSection(Section):
 
 class OutputSection(Section):
     dir: str = Field("runs/{name}", description="run directory; {name} is the recipe name.")
+
+    @field_validator("dir")
+    @classmethod
+    def _known_placeholders(cls, value: str) -> str:
+        try:
+            value.format(name="x")
+        except (KeyError, IndexError, ValueError, AttributeError) as err:
+            raise ValueError(f"{value!r}: the only placeholder is {{name}} ({type(err).__name__}: {err})") from None
+        return value
     save_every: int | None = Field(100, gt=0, description="checkpoint every N steps (null: never).")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk.")
     eval_every: int | None = Field(100, gt=0, description="evaluate every N steps (null: only first and last).")
@@ -160,7 +169,7 @@ class OutputSection(Section):
 class Recipe(Section):
     """A fine-tuning recipe. Build it with `Recipe.load(path)` or `Recipe(**sections)`."""
 
-    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name.")
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100, description="run name.")
     model: ModelSection = Field(default_factory=ModelSection)
     adapter: AdapterSection = Field(default_factory=AdapterSection)
     quantization: QuantizationSection | None = Field(None, description="base-weight quantization (qlora).")
