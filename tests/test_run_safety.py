@@ -104,7 +104,7 @@ def test_the_data_cache_never_serves_stale_rows(tiny_recipe, tmp_path):
     os.utime(data, (1577836800, 1577836800))
     second = train(recipe, overwrite=True, progress_bar=False).summary
     assert (first["train_samples"], second["train_samples"]) == (40, 120)
-    assert first["train_sha256"] != second["train_sha256"] and second["cached"] is False
+    assert first["train_sha256"] != second["train_sha256"]
 
 
 def test_an_adapter_is_written_whole_or_not_at_all(tiny_recipe, monkeypatch):
@@ -163,3 +163,64 @@ def test_two_runs_cannot_share_a_folder_and_kill_9_leaves_no_stale_lock(tmp_path
     assert not in_use(run_dir)  # the kernel dropped the lock with its holder
     assert load_run(run_dir).summary["status"] == "died"  # `running` with no live owner
     # resuming after kill -9 (the lock gone with its holder) is covered end to end by tests/test_crash.py
+
+
+def test_overwrite_refuses_a_folder_that_holds_no_run(tiny_recipe):
+    tiny_recipe.run_dir.mkdir(parents=True)
+    (tiny_recipe.run_dir / "thesis.txt").write_text("years of work")
+    with pytest.raises(RecipeError, match="holds no run"):
+        train(tiny_recipe, overwrite=True, progress_bar=False)
+    assert (tiny_recipe.run_dir / "thesis.txt").read_text() == "years of work"
+
+
+def test_a_replacement_that_cannot_move_everything_aside_puts_it_all_back(tiny_recipe, monkeypatch):
+    done = train(tiny_recipe.override("training.max_steps=1"), progress_bar=False)
+    before = sorted(p.relative_to(done.run_dir) for p in done.run_dir.rglob("*"))
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(src)
+        if len(calls) == 3 and ".replaced-" in str(dst):
+            raise PermissionError(1, "Operation not permitted", str(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(WorkbenchError, match="cannot replace the earlier run .* left as it was"):
+        train(tiny_recipe.override("training.max_steps=1"), overwrite=True, progress_bar=False)
+    assert sorted(p.relative_to(done.run_dir) for p in done.run_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize("out", ["runs/{name.upper}", "runs/{name!r}", "runs/{name:>9}", "runs/{}"])
+def test_only_a_plain_name_placeholder(out):
+    from workbench import Recipe
+
+    with pytest.raises(RecipeError, match="output.dir"):
+        Recipe.from_dict({"output": {"dir": out}})
+
+
+def test_damaged_run_files_are_one_line_errors_and_do_not_break_the_table(tiny_recipe, tmp_path):
+    from workbench import compare, list_runs
+
+    done = train(tiny_recipe.override("training.max_steps=2", "output.save_every=1"), progress_bar=False)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "run.json").write_text(json.dumps({"summary": {"status": "completed"}, "env": 5, "evaluation": [1]}))
+    (odd / "recipe.yaml").write_text("adapter: lora\n")
+    table = compare([done.run_dir, odd])
+    assert table["method"].iloc[0] == "lora" and table["method"].isna().iloc[1]
+    (done.run_dir / "run.json").write_text('{"summary": {"status": "runn')
+    with pytest.raises(WorkbenchError, match="run.json: unreadable"):
+        train(tiny_recipe.override("training.max_steps=2", "output.save_every=1"), resume=True, progress_bar=False)
+    with pytest.warns(UserWarning, match="skipped"):
+        assert [r.name for r in list_runs(tmp_path)] == ["odd"]
+
+
+def test_the_cli_summary_prints_missing_figures_as_n_a(capsys):
+    from workbench.cli import _print_summary
+
+    _print_summary(Path("runs/x"), {"status": "completed", "steps": 4, "world_size": 1, "strategy": "single",
+                                    "wall_s": 1.0, "tokens": 10, "tokens_per_s": None, "peak_memory_mb": 1.0,
+                                    "peak_memory_kind": "cpu_peak_rss", "mfu": None, "final_loss": None,
+                                    "eval_loss_first": 1.0, "eval_loss_final": None})
+    out = capsys.readouterr().out
+    assert "n/a tokens/s" in out and "eval loss 1.0000 -> n/a" in out

@@ -204,11 +204,13 @@ def test_several_processes_go_through_workbench_launch(root, monkeypatch):
     h = Handlers(root)
     name, status = h.launch(tiny_text("multi"), 2)
     argv, kwargs = started[-1]
-    assert name == "multi" and argv[1:] == ["-m", "workbench", "launch", ".workbench-ui/jobs/multi/recipe.yaml",
-                                            "--nproc", "2", "--overwrite"]
+    # -P and PYTHONSAFEPATH: the workspace (the working directory) is never on the import path
+    assert name == "multi" and argv[1:] == ["-P", "-m", "workbench", "launch", ".workbench-ui/jobs/multi/recipe.yaml",
+                                            "--nproc", "2"]
     assert kwargs["cwd"] == root.resolve() and kwargs["start_new_session"] and "shell" not in kwargs
+    assert kwargs["env"]["PYTHONSAFEPATH"] == "1"
     assert "resumed multi" in h.resume("multi")
-    assert started[-1][0][3:] == ["launch", ".workbench-ui/jobs/multi/recipe.yaml", "--nproc", "2", "--resume"]
+    assert started[-1][0][4:] == ["launch", ".workbench-ui/jobs/multi/recipe.yaml", "--nproc", "2", "--resume"]
     assert "not launched" in h.launch(tiny_text("multi"), 0)[1]
 
 

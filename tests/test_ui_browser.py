@@ -198,3 +198,21 @@ def test_the_server_serves_no_workspace_files_and_enforces_auth(served, tmp_path
         assert _status(f"http://127.0.0.1:{port}/gradio_api/info") == 401
     finally:
         demo.close()
+
+
+def test_the_served_app_refuses_a_rebound_host_and_a_foreign_origin(served):
+    """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url, _ = served
+    port = urlsplit(url).port
+
+    def status(headers):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("GET", "/config", headers=headers)
+        return connection.getresponse().status
+
+    assert status({}) == 200
+    assert status({"Host": "evil.example"}) == 403
+    assert status({"Origin": "http://evil.example"}) == 403

@@ -305,8 +305,14 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: str | tuple[str, str
     exports.mkdir(parents=True, exist_ok=True)
     demo = build_app(workspace.root, allow_remote_code)
     demo.queue(default_concurrency_limit=4)
+    from starlette.middleware import Middleware
+
+    from .guard import Guard, allowed_hosts
+
+    guard = Middleware(Guard, hosts=allowed_hosts(host))  # Host/Origin checks, login back-off
     demo.launch(server_name=host, server_port=port, auth=auth, share=False, theme=style.THEME, css=style.CSS,
-                allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False, show_error=True)
+                allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False, show_error=True,
+                app_kwargs={"middleware": [guard]})
     if block:
         login = ", login required" if auth else ""
         print(f"LoRA Workbench UI on http://{host}:{demo.server_port}/ (workspace {workspace.root}{login}). "

@@ -9,6 +9,7 @@ The loop reads and writes the streams it is given, so tests can drive it without
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -143,6 +144,8 @@ def chat(source: str | Path, base: bool = False, max_new_tokens: int = 256, syst
     output = output or sys.stdout
     if max_new_tokens <= 0:
         raise RecipeError(f"--max-new-tokens: must be positive, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise RecipeError(f"--temperature: must be a finite number, 0 or more, got {temperature}")
     model, tokenizer = load_for_inference(source, base=base)
     what = "base model of " if base else ""
     output.write(f"chatting with the {what}{source} ({HELP})\n")

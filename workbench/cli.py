@@ -27,13 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the libraries load: nothing was written yet
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `workbench estimate ... --json | head`: the reader left, nothing is wrong
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except OSError as err:  # a full disk, a read-only cache, a name too long: one line, not a traceback
+        if isinstance(err, BrokenPipeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: list[str] | None) -> int:
+    import warnings
+
     from .quiet import quiet_libraries
+
+    # a command-line program's warnings are one line each (`workbench runs` skipping a damaged run)
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
 
     quiet_libraries()
     parser = build_parser()
@@ -187,12 +195,17 @@ def _leave_process_group() -> None:
 
 
 def _print_summary(run_dir: Path, s: dict) -> None:
+    def num(key: str, spec: str, scale: float = 1.0) -> str:  # null (a non-finite figure) prints as n/a
+        value = s.get(key)
+        return format(value * scale, spec) if isinstance(value, (int, float)) else "n/a"
+
     print(f"run: {run_dir}  ({s['status']}, {s['steps']} steps, world size {s['world_size']}, {s['strategy']})")
-    print(f"  wall {s['wall_s']:.1f} s | {s['tokens']} tokens | {s['tokens_per_s']:.0f} tokens/s | "
-          f"peak memory {s['peak_memory_mb']:.0f} MB ({s['peak_memory_kind']}) | MFU {100 * s['mfu']:.2f}%")
-    line = f"  final train loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else "  no loss logged"
-    if s.get("eval_loss_first") is not None:
-        line += f" | eval loss {s['eval_loss_first']:.4f} -> {s['eval_loss_final']:.4f}"
+    print(f"  wall {num('wall_s', '.1f')} s | {s['tokens']} tokens | {num('tokens_per_s', '.0f')} tokens/s | "
+          f"peak memory {num('peak_memory_mb', '.0f')} MB ({s['peak_memory_kind']}) | MFU {num('mfu', '.2f', 100)}% | "
+          f"{s.get('model_dtype')}, mixed precision {s.get('mixed_precision')}")
+    line = f"  final train loss {num('final_loss', '.4f')}" if s.get("final_loss") is not None else "  no loss logged"
+    if s.get("eval_loss_first") is not None or s.get("eval_loss_final") is not None:
+        line += f" | eval loss {num('eval_loss_first', '.4f')} -> {num('eval_loss_final', '.4f')}"
     print(line)
     for sample in s.get("samples", []):
         print(f"  prompt: {sample['prompt']}\n    before: {sample['before']}\n    after:  {sample['after']}")

@@ -210,8 +210,13 @@ def _snapshot(path: Path) -> tuple[str, Path]:
     data that is tokenized is the data whose hash keys the cache, whatever happens to the file meanwhile."""
     digest = hashlib.sha256()
     folder = cache_dir() / "sources"
-    folder.mkdir(parents=True, exist_ok=True)
     staging = folder / f".{os.getpid()}.{path.name}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        staging.open("wb").close()
+    except OSError as err:
+        raise DataError(f"the cache folder {folder} is not writable ({err.strerror or err}); set "
+                        "LORA_WORKBENCH_CACHE to a writable folder") from None
     try:
         with path.open("rb") as source, staging.open("wb") as copy:
             for chunk in iter(lambda: source.read(1 << 20), b""):
@@ -413,6 +418,9 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
         train_tok, eval_tok = parts["train"], parts["test"]
 
     stats = {"cached": cached, **_summarise(train_tok, "train"), "train_sha256": train_rows.fingerprint}
+    if len(train_tok) and stats["train_empty"] == len(train_tok):
+        raise DataError(f"{cfg.train}: every sample loses its whole answer to truncation at data.max_seq_len="
+                        f"{cfg.max_seq_len}; raise data.max_seq_len or shorten the prompts")
     if eval_rows is not None:
         stats["eval_sha256"] = eval_rows.fingerprint
     train_tok = _drop_empty(train_tok)

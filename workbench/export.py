@@ -122,6 +122,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
 
 def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64) -> str:
     """Answer a prompt with a run's tuned model (or its base), or with any model path."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise RecipeError(f"--max-new-tokens: must be a positive whole number, got {max_new_tokens!r}")
     model, tokenizer = load_for_inference(source, base=base)
     return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .devices import Device, cpu_runtime_bytes, get_device
+from .errors import RecipeError
 from .model_configs import ModelInfo, describe_model
 from .precision import compute_dtype_of, resolve_recipe
 from .recipe import Recipe
@@ -107,7 +108,7 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
              device_memory: int | str | None = None, price_per_gpu_hour: float | None = None) -> Estimate:
     """Memory per device for each strategy, the recommended one, and predicted throughput and cost."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
-        raise ValueError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
+        raise RecipeError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
     dev = get_device(device, device_memory)
     # the same `auto` precision a run on that device would resolve (workbench/precision.py)
     recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)

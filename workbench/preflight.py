@@ -54,9 +54,17 @@ def check_output_dir(recipe: Recipe, resume: bool = False) -> None:
     """The run directory's nearest existing folder must take a file (a full disk or a read-only mount
     fails here, not at the first checkpoint an hour in)."""
     target = recipe.run_dir
-    if target.exists() and not target.is_dir():
-        raise RecipeError(f"output.dir: {target} exists and is not a folder")
-    existing = target if target.exists() else _nearest_existing(target)
+    try:
+        if target.is_symlink() and not target.exists():
+            raise RecipeError(f"output.dir: {target} is a symbolic link to nothing")
+        if target.exists() and not target.is_dir():
+            raise RecipeError(f"output.dir: {target} exists and is not a folder")
+        if target.is_dir() and any(target.iterdir()) and not (target / "run.json").exists() and not resume:
+            raise RecipeError(f"output.dir: {target} is a folder that holds no run (no run.json); a run is written "
+                              "only into a new or empty folder, or over an earlier run")
+        existing = target if target.exists() else _nearest_existing(target)
+    except OSError as err:  # a name too long, a folder that cannot be listed
+        raise RecipeError(f"output.dir: {target}: {err.strerror or err}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".workbench-write-test-"):
             pass

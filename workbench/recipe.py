@@ -7,7 +7,9 @@ for the CLI, the Python API and the UI alike.
 
 from __future__ import annotations
 
+import contextvars
 import difflib
+import string
 import reprlib
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +21,7 @@ from .errors import RecipeError
 from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
+_FROM_DICT = contextvars.ContextVar("recipe_from_dict", default=False)
 _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the value
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 2, 4, 4
 
@@ -42,7 +45,7 @@ class ModelSection(Section):
 
 class AdapterSection(Section):
     method: Literal["lora", "qlora", "dora", "full"] = Field("lora", description="what to train.")
-    r: int = Field(16, gt=0, description="LoRA rank.")
+    r: int = Field(16, gt=0, strict=True, description="LoRA rank.")
     alpha: float = Field(32, gt=0, description="LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora).")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
@@ -151,9 +154,12 @@ class OutputSection(Section):
     @classmethod
     def _known_placeholders(cls, value: str) -> str:
         try:
-            value.format(name="x")
-        except (KeyError, IndexError, ValueError, AttributeError) as err:
-            raise ValueError(f"{value!r}: the only placeholder is {{name}} ({type(err).__name__}: {err})") from None
+            fields = [(f, spec, conversion) for _, f, spec, conversion in string.Formatter().parse(value)
+                      if f is not None]
+        except ValueError as err:
+            raise ValueError(f"{value!r}: {err}") from None
+        if any(f != "name" or spec or conversion for f, spec, conversion in fields):
+            raise ValueError(f"{value!r}: the only placeholder is a plain {{name}}")
         return value
     save_every: int | None = Field(100, gt=0, description="checkpoint every N steps (null: never).")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk.")
@@ -178,6 +184,14 @@ class Recipe(Section):
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
 
+    def __init__(self, /, **sections: Any):
+        if _FROM_DICT.get():  # from_dict reports the errors itself, naming its source
+            return super().__init__(**sections)
+        try:
+            super().__init__(**sections)
+        except ValidationError as err:  # the project's own error, one line per problem, from Python too
+            raise RecipeError(_describe(err, "recipe")) from None
+
     @model_validator(mode="before")
     @classmethod
     def _qlora_quantizes(cls, data):
@@ -200,10 +214,16 @@ class Recipe(Section):
     def from_dict(cls, data: dict[str, Any], source: str = "recipe") -> "Recipe":
         if not isinstance(data, dict):
             raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise RecipeError(f"{source}: {_SHORT.repr(odd[0])}: a section name must be text (e.g. training)")
+        token = _FROM_DICT.set(True)
         try:
             return cls.model_validate(data)
         except ValidationError as err:
             raise RecipeError(_describe(err, source)) from None
+        finally:
+            _FROM_DICT.reset(token)
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> "Recipe":

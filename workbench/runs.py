@@ -66,13 +66,19 @@ class RunDir:
         recipe, data and model have been checked."""
         if resume and overwrite:
             raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
-        exists = self.path.exists() and any(self.path.iterdir())
+        try:
+            exists = self.path.exists() and any(self.path.iterdir())
+        except OSError as err:
+            raise WorkbenchError(f"{self.path}: {err.strerror or err}") from None
         if resume and not exists:
             raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
         if exists and not (resume or overwrite):
             raise WorkbenchError(
                 f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it")
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a dangling symbolic link, a name too long, no permission
+            raise WorkbenchError(f"{self.path}: cannot create the run directory ({err.strerror or err})") from None
         self._lock = RunLock(self.path)
         self._lock.acquire()
         if resume:
@@ -87,12 +93,24 @@ class RunDir:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def clear(self) -> None:
-        """Empty the (claimed) folder for a new run. The folder itself stays: it carries the lock."""
-        for child in self.path.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
+        """Empty the (claimed) folder for a new run. The folder itself stays: it carries the lock. The old
+        entries are first moved aside by renames, all or none (a failure puts them back and says so),
+        then deleted."""
+        aside = self.path / f".replaced-{os.getpid()}"
+        aside.mkdir()
+        moved = []
+        try:
+            for child in list(self.path.iterdir()):
+                if child != aside:
+                    os.rename(child, aside / child.name)
+                    moved.append(child)
+        except OSError as err:
+            for child in moved:
+                os.rename(aside / child.name, child)
+            aside.rmdir()
+            raise WorkbenchError(f"{self.path}: cannot replace the earlier run ({err.strerror or err}: "
+                                 f"{err.filename}); it is left as it was") from None
+        shutil.rmtree(aside, ignore_errors=True)  # what cannot be deleted stays aside, out of the new run's way
 
     def release(self) -> None:
         lock = getattr(self, "_lock", None)
@@ -133,7 +151,13 @@ class RunDir:
     def read_json(self) -> dict:
         if not self.run_json.exists():
             return {}
-        return json.loads(self.run_json.read_text())
+        try:
+            data = json.loads(self.run_json.read_text())
+        except (OSError, ValueError) as err:
+            raise WorkbenchError(f"{self.run_json}: unreadable ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("summary", {}), dict):
+            raise WorkbenchError(f"{self.run_json}: not a run record (expected a mapping with a summary mapping)")
+        return data
 
     def update_json(self, **sections: Any) -> None:
         data = self.read_json()
@@ -292,8 +316,11 @@ def _shown(value) -> str:
 def load_run(path: str | Path) -> Run:
     """Read a run directory back (recipe, summary, environment, metrics, evaluation)."""
     run_dir = RunDir(path)
-    if not run_dir.run_json.exists():
-        raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
+    try:
+        if not run_dir.run_json.exists():
+            raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
+    except OSError as err:  # a name too long
+        raise WorkbenchError(f"{run_dir.path}: {err.strerror or err}") from None
     import yaml
 
     try:
@@ -306,8 +333,9 @@ def load_run(path: str | Path) -> Run:
     summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
     if summary.get("status") == "running" and not in_use(run_dir.path):
         summary = {**summary, "status": "died"}  # its process is gone without a word (kill -9, power loss)
-    return Run(run_dir.path, recipe, summary, data.get("env", {}), read_metrics(run_dir.metrics),
-               data.get("evaluation") or {})
+    env, evaluation = data.get("env"), data.get("evaluation")
+    return Run(run_dir.path, recipe, summary, env if isinstance(env, dict) else {}, read_metrics(run_dir.metrics),
+               evaluation if isinstance(evaluation, dict) else {})
 
 
 def list_runs(root: str | Path = "runs") -> list[Run]:
@@ -341,7 +369,7 @@ def compare_rows(runs: list[Run]) -> list[dict]:
         s = run.summary
         rows.append({
             "run": run.name, "status": s.get("status"),
-            "method": run.recipe.get("adapter", {}).get("method"), "strategy": s.get("strategy"),
+            "method": _section(run.recipe, "adapter").get("method"), "strategy": s.get("strategy"),
             "world_size": s.get("world_size"), "steps": s.get("steps"), "tokens_per_s": s.get("tokens_per_s"),
             "peak_memory_mb": s.get("peak_memory_mb"), "predicted_peak_memory_mb": s.get("predicted_peak_memory_mb"),
             "mfu": s.get("mfu"), "wall_s": s.get("wall_s"), "final_loss": s.get("final_loss"),
@@ -351,9 +379,15 @@ def compare_rows(runs: list[Run]) -> list[dict]:
     return rows
 
 
+def _section(data: dict, name: str) -> dict:
+    """A section of a hand-edited file, {} when it is missing or not a mapping."""
+    value = data.get(name) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def _evaluation_cells(evaluation: dict) -> dict:
     """The scores of `workbench evaluate`, base beside tuned (None where not evaluated)."""
-    base, tuned = evaluation.get("base") or {}, evaluation.get("tuned") or {}
+    base, tuned = _section(evaluation, "base"), _section(evaluation, "tuned")
     return {"base_eval_loss": base.get("eval_loss"), "tuned_eval_loss": tuned.get("eval_loss"),
             "base_contains": base.get("contains"), "tuned_contains": tuned.get("contains"),
             "tuned_exact_match": tuned.get("exact_match")}

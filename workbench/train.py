@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import (build_accelerator, configure_threads, local_parameter_elements, resolve_strategy,
                           verify_launch, world_size_from_env)
-from .errors import Interrupted, NonFiniteError, WorkbenchError
+from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
 from .fastpath import apply_fast_paths
 from .launcher import check_launcher_agrees
@@ -57,12 +57,18 @@ class Progress:
         self.__dict__.update(state)
 
 
-def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
+def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
     """Train the recipe in this process (one of N when launched with `accelerate launch`).
 
     Nothing in the run directory is touched until the recipe, the data and the model have been checked:
     a bad row or a refused resume leaves an earlier run exactly as it was."""
     started = time.perf_counter()
+    if isinstance(recipe, dict):
+        recipe = Recipe.from_dict(recipe)
+    elif isinstance(recipe, (str, os.PathLike)):
+        recipe = Recipe.load(recipe)
+    elif not isinstance(recipe, Recipe):
+        raise RecipeError(f"train: expects a Recipe, a mapping or a recipe file, got {type(recipe).__name__}")
     quiet_libraries()
     if resume and overwrite:
         raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
@@ -202,6 +208,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                   if eval_loader is not None and state.step == 0 else None)
     if eval_first is not None and main:
         metrics.write({"step": 0, "eval_loss": eval_first})
+    elif state.step > 0:  # resumed: the run's own step-0 evaluation stands
+        eval_first = next((r["eval_loss"] for r in read_metrics(run.metrics)
+                           if r.get("step") == 0 and r.get("eval_loss") is not None), None)
 
     # -- the loop -----------------------------------------------------------------------------
     bar = _progress(total_steps, state.step, enabled=progress_bar and main)
