@@ -224,3 +224,33 @@ def test_the_cli_summary_prints_missing_figures_as_n_a(capsys):
                                     "eval_loss_first": 1.0, "eval_loss_final": None})
     out = capsys.readouterr().out
     assert "n/a tokens/s" in out and "eval loss 1.0000 -> n/a" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "recipes/tiny.yaml", "--nproc", "2", "--master", "127.0.0.1:99999"], "port from 1 to 65535"),
+    (["launch", "recipes/tiny.yaml", "--nproc", "4096"], "one process per"),
+    (["train", "recipes/tiny.yaml", "--resum"], "unrecognized arguments: --resum"),
+    (["train", "recipes/tiny.yaml", "--resume", "--overwrite"], "contradict"),
+    (["train", "recipes/tiny.yaml", "adapter.r=true"], "adapter.r"),
+    (["validate", "recipes/tiny.yaml", "output.dir=runs/{foo}"], "placeholder"),
+    (["generate", "builtin:tiny", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["chat", "builtin:tiny", "--temperature", "nan"], "--temperature"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    from workbench.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 or code == 1, err
+    assert message in err and "Traceback" not in err
+
+
+def test_chat_help_works(capsys):
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["chat", "--help"])
+    assert exit.value.code == 0 and "--temperature" in capsys.readouterr().out

@@ -26,7 +26,8 @@ SECTIONS = ["general", *[n for n in form.Recipe.model_fields if n != "name"]]
 FALLBACK_DEVICES = ["cpu", "h100", "a100-80gb", "a100-40gb", "l4", "rtx4090"]
 THIS_MACHINE = "this machine"
 TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
-    "run": "run", "status": "status", "method": "method", "strategy": "strategy", "world_size": "world size",
+    "run": "run", "status": "status", "method": "method", "r": "r", "lr": "lr", "precision": "precision",
+    "strategy": "strategy", "world_size": "world size",
     "steps": "steps", "tokens_per_s": "tokens/s", "peak_memory_mb": "peak memory (MB)",
     "predicted_peak_memory_mb": "predicted peak (MB)", "mfu": "MFU (%)", "wall_s": "wall time (s)",
     "final_loss": "final loss", "eval_loss_first": "eval loss (first)", "eval_loss_final": "eval loss (final)",

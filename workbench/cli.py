@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = recipe_command("train", "train a recipe (no recipe: the quickstart)", _train, optional=True)
     train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="a plain line per logged step instead of a bar")
 
     launch = recipe_command("launch", "run a recipe on N processes / M machines through accelerate launch", _launch)
     launch.add_argument("--nproc", type=int, default=1, help="processes on this machine")
@@ -178,7 +178,7 @@ def _train(args) -> int:
     from .train import train
 
     recipe = _load_recipe(args)
-    result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar=not args.no_progress)
+    result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar="lines" if args.no_progress else True)
     if os.environ.get("RANK", "0") == "0":  # one summary per run, not one per process
         _print_summary(result.run_dir, result.summary)
     _leave_process_group()

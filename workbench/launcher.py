@@ -29,6 +29,7 @@ class LaunchPlan:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     run_dir: Path | None = None
+    nproc: int = 1  # processes on this machine
 
     def shell(self) -> str:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -44,15 +45,16 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     if not 0 <= node_rank < nnodes:
         raise RecipeError(f"--node-rank: must be between 0 and {nnodes - 1}, got {node_rank}")
     host, _, port = master.rpartition(":")
-    if not host or not port.isdigit():
-        raise RecipeError(f"--master: expected IP:PORT, got {master!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RecipeError(f"--master: expected IP:PORT with a port from 1 to 65535, got {master!r}")
+
     recipe = Recipe.load(recipe_path, overrides or [])  # fail here, before any process starts
     # accelerate's flag wants a concrete mode; each rank resolves the recipe again on its own device
     mixed_precision = resolve_precision(recipe, local_kind()).mixed_precision
     train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]
     world = nproc * nnodes
     if world == 1:
-        return LaunchPlan([sys.executable, *train], {}, recipe.run_dir)
+        return LaunchPlan([sys.executable, *train], {}, recipe.run_dir, 1)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
                "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", host,
                "--main_process_port", port, "--mixed_precision", mixed_precision,
@@ -62,7 +64,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     env = {"NUM_NODES": str(nnodes)}
     if not torch.cuda.is_available():
         env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, (os.cpu_count() or 1) // nproc))
-    return LaunchPlan(command + train, env, recipe.run_dir)
+    return LaunchPlan(command + train, env, recipe.run_dir, nproc)
 
 
 def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
@@ -72,6 +74,11 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     ranks to checkpoint and exit. A SIGTERM sent to this process alone (a scheduler, `kill PID`) is
     passed on to the launcher, which passes it on to the ranks.
     """
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+    if plan.nproc > devices:  # a plan (--dry-run) may be for another machine; running it here may not
+        what = "GPUs" if torch.cuda.is_available() else "CPU cores"
+        raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
+                          f"{what[:-1]} at most")
     env = {**os.environ, **plan.env}
     process = subprocess.Popen(plan.command, env=env)
     forward = lambda signum, frame: process.send_signal(signum)  # noqa: E731

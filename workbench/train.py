@@ -57,8 +57,10 @@ class Progress:
         self.__dict__.update(state)
 
 
-def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, overwrite: bool = False, progress_bar: bool = True) -> TrainResult:
+def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+          progress_bar: bool | str = True) -> TrainResult:
     """Train the recipe in this process (one of N when launched with `accelerate launch`).
+    progress_bar: True (a bar), False (quiet), or "lines" (a plain line per metrics row, for logs).
 
     Nothing in the run directory is touched until the recipe, the data and the model have been checked:
     a bad row or a refused resume leaves an earlier run exactly as it was."""
@@ -213,7 +215,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                            if r.get("step") == 0 and r.get("eval_loss") is not None), None)
 
     # -- the loop -----------------------------------------------------------------------------
-    bar = _progress(total_steps, state.step, enabled=progress_bar and main)
+    bar = _progress(total_steps, state.step, enabled=progress_bar is True and main)
     model.train()
     window_loss = torch.zeros((), device=accelerator.device)
     window_targets = torch.zeros((), device=accelerator.device)
@@ -279,6 +281,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 metrics.write(row)
                 accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=state.step)
                 bar.set_postfix(loss=f"{last_loss:.4f}" if last_loss is not None else "skipped")
+                if progress_bar == "lines" and main:  # a log file's progress (the UI's live log): one line a row
+                    print(f"step {state.step}/{total_steps} | loss {row['loss']} | {row['tokens_per_s']:.0f} tokens/s "
+                          f"| peak {row['peak_memory_mb']:.0f} MB", flush=True)
                 window_loss.zero_(), window_targets.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
 
