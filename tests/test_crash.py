@@ -5,6 +5,7 @@ process (fp32, one thread), within 1e-6 across two processes.
 """
 
 import json
+import math
 import os
 import random
 import signal
@@ -191,9 +192,12 @@ def test_a_nan_stops_the_run_naming_the_step_and_keeps_the_good_checkpoint(tiny_
     assert run.read_json()["summary"]["status"] == "failed"
 
 
-def test_a_nan_step_can_be_skipped_instead(tiny_recipe):
-    recipe = tiny_recipe.override("training.lr=1e30", "training.max_steps=6", "training.on_nonfinite=skip")
-    result = train(recipe, progress_bar=False)
-    assert result.summary["status"] == "completed" and result.summary["skipped_steps"] == 5
-    assert all(torch.isfinite(t).all() for t in adapter(result.run_dir).values())  # no NaN was applied
-    assert result.metrics.dropna(subset=["skipped"])["step"].tolist() == [2, 3, 4, 5, 6]
+def test_a_nan_step_can_be_skipped_instead_but_not_step_after_step(tiny_recipe):
+    recipe = tiny_recipe.override("training.lr=1e30", "training.max_steps=20", "training.on_nonfinite=skip")
+    with pytest.raises(NonFiniteError, match=r"skip dropped 4 of \d+ steps: the run is not training"):
+        train(recipe, progress_bar=False)
+    run = RunDir(recipe.run_dir)
+    assert run.read_json()["summary"]["status"] == "failed"
+    rows = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "skipped" in r]) == 3  # the fourth stops the run
+    assert all(r.get("loss") is None or math.isfinite(r["loss"]) for r in rows)  # null, never NaN

@@ -69,10 +69,10 @@ def test_resume_refuses_a_changed_recipe_naming_every_change(tiny_recipe):
     recipe, run = interrupted_run(tiny_recipe)
     saved = run.recipe.read_text()
     with pytest.raises(RecipeError) as err:
-        train(recipe.override("training.lr=0.1", "adapter.r=4", "training.max_steps=9"), resume=True,
+        train(recipe.override("data.max_seq_len=64", "adapter.r=4", "training.max_steps=9"), resume=True,
               progress_bar=False)
     message = str(err.value)
-    assert "training.lr: 0.003 -> 0.1" in message and "adapter.r: 8 -> 4" in message
+    assert "data.max_seq_len: 128 -> 64" in message and "adapter.r: 8 -> 4" in message
     assert "training.max_steps: 4 -> 9" in message
     assert run.recipe.read_text() == saved and run.read_json()["summary"]["status"] == "running"
 
@@ -254,3 +254,34 @@ def test_chat_help_works(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["chat", "--help"])
     assert exit.value.code == 0 and "--temperature" in capsys.readouterr().out
+
+
+def test_a_resume_may_lower_the_peak_lr_and_the_schedule_follows(tiny_recipe):
+    recipe, run = interrupted_run(tiny_recipe)
+    before = {r["step"]: r["lr"] for r in map(json.loads, run.metrics.read_text().splitlines()) if "lr" in r}
+    result = train(recipe.override("training.lr=0.0015"), resume=True, progress_bar=False)
+    after = {r["step"]: r["lr"] for r in map(json.loads, run.metrics.read_text().splitlines()) if "lr" in r}
+    assert after[1] == before[1] and after[2] == before[2]  # the steps before the checkpoint stay as they were
+    assert after[3] == pytest.approx(before[3] / 2)  # the same schedule, scaled to the new peak
+    assert result.summary["resume_changes"][0]["changes"] == {"training.lr": [0.003, 0.0015]}
+
+
+def test_a_resumed_run_sums_up_like_an_uninterrupted_one(tiny_recipe):
+    """Checkpoints in the middle of a metrics window: the resumed run's tokens, losses and eval match."""
+    recipe = tiny_recipe.override("training.max_steps=8", "output.save_every=3", "output.keep_last=3",
+                                  "output.log_every=4", "output.eval_every=4", "data.eval=recipes/data/tiny_chat_eval.jsonl")
+    whole = train(recipe, progress_bar=False).summary
+    crashed = recipe.override(f"output.dir={recipe.run_dir.parent}/crashed")
+    import shutil
+
+    shutil.copytree(recipe.run_dir, crashed.run_dir)
+    run = RunDir(crashed.run_dir)
+    for step, path in run.complete_checkpoints():
+        if step > 3:
+            shutil.rmtree(path)
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    resumed = train(crashed, resume=True, progress_bar=False).summary
+    for key in ("tokens", "steps", "eval_loss_first", "eval_loss_final"):
+        assert resumed[key] == whole[key], key
+    assert resumed["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-6)

@@ -2,7 +2,8 @@
 
 A resumed run must continue the run its files describe. Settings that change what is trained, on which data,
 or the schedule it follows (lr, steps, batch, adapter shape, precision) are refused with one error listing
-them; settings that only change how the run is watched or how fast it goes are allowed and recorded with
+them; settings that only change how the run is watched or how fast it goes, and a new peak lr (the way out of a
+divergence: warmup and decay continue, scaled), are allowed and recorded with
 the checkpoint step they start from. `auto` in the new recipe keeps what the run resolved it to.
 """
 
@@ -20,6 +21,7 @@ SAFE_TO_CHANGE = (
     "output.log_every", "output.eval_every", "output.save_every", "output.keep_last", "output.trackers",
     "output.sample_prompts", "output.sample_max_new_tokens", "training.threads", "training.on_nonfinite",
     "training.fast_paths", "training.gradient_checkpointing", "training.activation_offloading",
+    "training.lr",  # the way out of a divergence: the schedule continues, scaled to the new peak
     "name", "output.dir",  # where the run is: found already, by this very recipe
     "distributed.",  # the strategy of the processes that continue it (checked when the state loads)
 )

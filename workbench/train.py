@@ -12,7 +12,7 @@ import shutil
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader
@@ -49,6 +49,9 @@ class Progress:
     train_seconds: float = 0.0
     flops: float = 0.0
     skipped_steps: int = 0
+    # the steps since the last metrics row, summed over ranks when a checkpoint was saved: a resumed run
+    # logs them in its first row, so its figures equal an uninterrupted run's
+    window: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -220,6 +223,15 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     window_loss = torch.zeros((), device=accelerator.device)
     window_targets = torch.zeros((), device=accelerator.device)
     window_tokens, window_start = 0, time.perf_counter()
+    if state.window:  # resumed mid-window
+        if main:
+            window_loss += state.window["loss"]
+            window_targets += state.window["targets"]
+            window_tokens += state.window["tokens"]
+        window_start -= state.window["seconds"]
+        state.window = {}
+    if resume and recipe.training.lr != scheduler.base_lrs[0]:  # a resume that lowers lr (allowed, recorded)
+        set_peak_lr(scheduler, recipe.training.lr)
     last_loss = None
     startup_s = time.perf_counter() - started  # what the user waits for before the first step
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
@@ -250,6 +262,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 raise NonFiniteError(_nonfinite_message(run, state.step + 1, step_loss, grad_norm))
             if nonfinite:  # on_nonfinite: skip — drop this update, keep the schedule
                 state.skipped_steps += 1
+                if state.skipped_steps > max(MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION * (state.step + 1)):
+                    raise NonFiniteError(f"training.on_nonfinite: skip dropped {state.skipped_steps} of "
+                                         f"{state.step + 1} steps: the run is not training. "
+                                         + _nonfinite_message(run, state.step + 1, step_loss, grad_norm))
                 metrics.write({"step": state.step + 1, "skipped": "non-finite loss or gradients"})
             else:
                 optimizer.step()
@@ -294,11 +310,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 accelerator.log({"eval_loss": eval_loss}, step=state.step)
 
             saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
-            if saved:
+            if saved or signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
+                state.window = _window_totals(accelerator, window_loss, window_targets, window_tokens, window_start)
                 save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
-            if signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
-                if not saved:
-                    save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
+            if signum:
                 bar.close()
                 raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
                                   f"{run.checkpoint(state.step).name} saved: run the same command with --resume to "
@@ -406,12 +421,31 @@ def save_checkpoint(accelerator, run: RunDir, step: int, keep_last: int) -> None
     accelerator.wait_for_everyone()
 
 
+MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION = 3, 0.1  # on_nonfinite: skip stops a run that skips more
+
+
 def _pause_for_crash_tests(step: int) -> None:
     """LORA_WORKBENCH_CHECKPOINT_PAUSE=STEP:SECONDS holds checkpoint STEP half-written for that long, so a
     test can kill the process inside the write window (tests/test_crash.py)."""
     wanted, _, seconds = os.environ.get("LORA_WORKBENCH_CHECKPOINT_PAUSE", "").partition(":")
     if wanted == str(step):
         time.sleep(float(seconds or 0))
+
+
+def _window_totals(accelerator, loss, targets, tokens: int, start: float) -> dict:
+    """The current metrics window summed over ranks (one small all-reduce per checkpoint)."""
+    totals = accelerator.reduce(torch.stack([loss.float(), targets.float(),
+                                             torch.tensor(float(tokens), device=loss.device)]), reduction="sum")
+    return {"loss": float(totals[0]), "targets": float(totals[1]), "tokens": int(totals[2]),
+            "seconds": time.perf_counter() - start}
+
+
+def set_peak_lr(scheduler, lr: float) -> None:
+    """A new peak learning rate for a resumed schedule: the same warmup and decay, scaled."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
 
 
 def _rounded(value: float | None) -> float | None:
