@@ -161,7 +161,8 @@ def summarise(runs: list[dict], peaks: dict) -> dict:
             "process_s": best("process_s"), "job_s": best("job_s"), "loop_s": loop_s, "cpu_s": best("cpu_s"),
             "job_s_all": [r["job_s"] for r in runs], "tokens": runs[0]["tokens"], "steps": runs[0]["steps"],
             "tokens_per_s": runs[0]["tokens"] / loop_s, "peak_rss_mb": med("peak_rss_mb"),
-            "eval_loss": med("eval_loss"), "flops": flops,
+            "eval_loss": med("eval_loss"), "flops": flops, "startup_s": runs[0].get("startup_s"),
+            "finish_s": runs[0].get("finish_s"),
             "mfu_bf16": flops / loop_s / peaks["bf16"], "mfu_fp32": flops / loop_s / peaks["fp32"]}
 
 
@@ -189,6 +190,11 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
     for r in rows:
         if "error" not in r:
             print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")
+    for r in rows:  # what a user waits for besides the loop: imports, loading, tokenizing, saving, estimates
+        if "error" not in r:
+            inside = f" (train() before its first step {r['startup_s']:.1f} s, after its last {r['finish_s']:.1f} s)" \
+                if r.get("startup_s") is not None else ""
+            print(f"  outside the loop, {r['tool']}: {r['process_s'] - r['loop_s']:.1f} s of {r['process_s']:.1f} s{inside}")
     print_ratios(rows)
 
 

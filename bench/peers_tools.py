@@ -170,6 +170,7 @@ def run_workbench(spec: dict) -> dict:
     report = finish(spec, spec["tool"], clock, summary["train_s"], summary["tokens"], summary["steps"], model,
                     lengths, settings)
     report["own_mfu"] = summary["mfu"]
+    report["startup_s"], report["finish_s"] = summary.get("startup_s"), summary.get("finish_s")
     return report
 
 

@@ -85,7 +85,8 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
     recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
-    warnings = [*precision.warnings, *preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model), resume)]
+    tokenizer, model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once, used twice
+    warnings = [*precision.warnings, *preflight(recipe, tokenizer, model_config, resume)]
     strategy, why = resolve_strategy(recipe, world_size_from_env())
     check_launcher_agrees(strategy)
     accelerator = build_accelerator(recipe, str(run.path), strategy)
@@ -122,7 +123,8 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
             run.claim(resume=resume, overwrite=overwrite)  # the lock; refusals; nothing deleted yet
         accelerator.wait_for_everyone()
         with StopRequest() as stop:
-            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop, take_over)
+            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop, take_over,
+                             tokenizer, model_config)
     except BaseException as err:
         if main and taken:
             status = "interrupted" if isinstance(err, (KeyboardInterrupt, Interrupted)) else "failed"
@@ -147,13 +149,12 @@ def check_same_data(run: RunDir, stats: dict) -> None:
 
 
 def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
-           strategy: str, stop: StopRequest, take_over) -> dict:
+           strategy: str, stop: StopRequest, take_over, tokenizer, model_config) -> dict:
     cfg = recipe.training
     main = accelerator.is_main_process
     torch.manual_seed(cfg.seed)
 
     # -- data ---------------------------------------------------------------------------------
-    tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         data = prepare_data(recipe.data, tokenizer, seed=cfg.seed)
     if data.stats.get("train_empty") and main:
@@ -169,7 +170,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                    if data.eval is not None else None)
 
     # -- model and optimizer ------------------------------------------------------------------
-    check_runtime(recipe, accelerator.device.type, load_config(recipe.model))
+    check_runtime(recipe, accelerator.device.type, model_config)
     torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
     model = attach_adapter(load_base_model(recipe), recipe)
     if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
