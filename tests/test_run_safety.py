@@ -285,3 +285,14 @@ def test_a_resumed_run_sums_up_like_an_uninterrupted_one(tiny_recipe):
     for key in ("tokens", "steps", "eval_loss_first", "eval_loss_final"):
         assert resumed[key] == whole[key], key
     assert resumed["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-6)
+
+
+def test_a_rank_above_the_models_width_is_warned_about():
+    from workbench import Recipe
+    from workbench.models import load_config
+    from workbench.preflight import preflight
+
+    recipe = Recipe.load("recipes/tiny.yaml", ["adapter.r=100000"])
+    (warning,) = preflight(recipe, None, load_config(recipe.model))
+    assert "adapter.r=100000 is larger than the model's width (128)" in warning
+    assert preflight(Recipe.load("recipes/tiny.yaml"), None, load_config(recipe.model)) == []

@@ -28,6 +28,11 @@ def preflight(recipe: Recipe, tokenizer=None, model_config=None, resume: bool = 
         check_tokenizer(recipe, tokenizer)
     if model_config is not None:
         check_context_length(recipe, model_config)
+        width = getattr(model_config, "hidden_size", None)
+        if width and recipe.adapter.method != "full" and recipe.adapter.r > width:
+            warnings.append(f"adapter.r={recipe.adapter.r} is larger than the model's width ({width}): the adapter "
+                            f"cannot learn more than a rank-{width} update and costs far more memory; use r <= "
+                            f"{width} (8-64 is usual)")
     return warnings
 
 

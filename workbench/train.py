@@ -214,6 +214,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                   if eval_loader is not None and state.step == 0 else None)
     if eval_first is not None and main:
         metrics.write({"step": 0, "eval_loss": eval_first})
+        accelerator.log({"eval_loss": eval_first}, step=0)
     elif state.step > 0:  # resumed: the run's own step-0 evaluation stands
         eval_first = next((r["eval_loss"] for r in read_metrics(run.metrics)
                            if r.get("step") == 0 and r.get("eval_loss") is not None), None)
@@ -332,6 +333,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     eval_final = evaluate(model, eval_loader, accelerator, loss_sum_of) if eval_loader is not None else None
     if eval_final is not None:
         metrics.write({"step": state.step, "eval_loss": eval_final})
+        accelerator.log({"eval_loss": eval_final}, step=state.step)
     save_adapter(accelerator, model, tokenizer, run, recipe)
     if samples is not None:
         after = _sample_generations(recipe, model, tokenizer, accelerator)
