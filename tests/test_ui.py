@@ -549,3 +549,13 @@ def test_stop_escalates_sigint_sigterm_then_sigkill(h, monkeypatch):
     monkeypatch.setattr("ui.jobs.STOP_GRACE_S", 0.0)
     assert "sent SIGKILL" in h.stop("wedged")
     assert proc.wait(timeout=10) == -9
+
+
+def test_stop_and_resume_are_enabled_by_the_jobs_state(h, monkeypatch):
+    from types import SimpleNamespace
+
+    assert h.buttons(None) == (False, False)
+    for state, expected in {"running": (True, False), "stopping": (True, False), "completed": (False, False),
+                            "interrupted": (False, True), "failed": (False, True)}.items():
+        monkeypatch.setattr(h.jobs, "status", lambda name, s=state: SimpleNamespace(state=s))
+        assert h.buttons("x") == expected, state

@@ -209,13 +209,15 @@ def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blo
                         with gr.Row():
                             loss_plot = FigurePlot(label="loss", format="png", show_label=False, elem_id="loss-plot")
                             tps_plot = FigurePlot(label="tokens/s", format="png", show_label=False, elem_id="tps-plot")
-                        log = gr.Code(label="log (tail)", language="shell", lines=12, max_lines=12,
-                                      interactive=False, elem_id="job-log")
+                        log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, interactive=False,
+                                         autoscroll=True, elem_id="job-log", elem_classes="wb-log")
                 seen = gr.State(None)
-                view_outputs = [job_status, progress, log, loss_plot, tps_plot, seen]
+                view_outputs = [job_status, progress, log, loss_plot, tps_plot, seen, stop_btn, resume_btn]
 
                 def on_view(name, last):
-                    return _skip(h.job_view(name, last))
+                    can_stop, can_resume = h.buttons(name)
+                    return [*_skip(h.job_view(name, last)), gr.update(interactive=can_stop),
+                            gr.update(interactive=can_resume)]
 
                 def on_launch(text, n, replace_run):
                     name, message = h.launch(text, n, replace_run)

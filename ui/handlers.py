@@ -193,6 +193,15 @@ class Handlers:
             return status_html("error", f"not resumed: {err}")
         return status_html("info", f"resumed {job.name}: workbench {' '.join(job.command)}")
 
+    def buttons(self, name: str | None) -> tuple[bool, bool]:
+        """(Stop enabled, Resume enabled) for the job's state: Stop while it runs, Resume once it stopped
+        short of its end."""
+        status = self.jobs.status(name) if name else None
+        if status is None:
+            return False, False
+        running = status.state in ("running", "stopping")
+        return running, status.state in ("interrupted", "failed", "exited", "died")
+
     def job_view(self, name: str | None, seen: str | None = None):
         """(status html, progress html, log tail, loss figure, tokens/s figure, signature) of a job.
 

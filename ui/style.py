@@ -35,6 +35,9 @@ CSS = """
 .wb-inline-btn { align-self: flex-end !important; max-height: 42px; margin-bottom: 8px; }
 .wb-sticky { position: sticky; top: 8px; align-self: flex-start; }
 .wb-table th, .wb-table th * { word-break: keep-all !important; overflow-wrap: normal !important; }
+.wb-table { max-width: 100%; overflow-x: auto !important; }  /* a narrow window scrolls the table, not the page */
+@media (max-width: 640px) { .wb-header { flex-direction: column; align-items: flex-start; }
+  .wb-header .wb-root { max-width: 100%; } }
 footer { display: none !important; }
 """
 
