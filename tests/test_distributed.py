@@ -171,6 +171,7 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_adapter(runs, strategy)
     assert [step for step, _ in run.complete_checkpoints()] == [3, 6]
     shutil.rmtree(run.checkpoint(6))
     shutil.rmtree(resumed / "adapter")
+    run.update_json(summary={"status": "running"})  # as a killed run leaves it
     again = launch(resumed, *_overrides_of(strategy), resume=True)
     assert again["steps"] == STEPS and again["distributed_type"] == s["distributed_type"]
     assert losses(resumed)[3:] == pytest.approx(losses(uninterrupted)[3:], rel=1e-5)

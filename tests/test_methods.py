@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from workbench import Recipe, merge, train
 from workbench.models import attach_adapter, bnb_config, load_base_model
+from workbench.runs import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +83,7 @@ def test_qlora_resumes_from_a_checkpoint(tmp_path):
     shutil.copytree(whole.run_dir, crashed.run_dir)
     shutil.rmtree(crashed.run_dir / "checkpoints" / "step-6")
     shutil.rmtree(crashed.run_dir / "adapter")
+    RunDir(crashed.run_dir).update_json(summary={"status": "running"})  # as a killed run leaves it
     resumed = train(crashed, resume=True, progress_bar=False)
     a = load_file(str(whole.run_dir / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))

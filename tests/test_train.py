@@ -3,12 +3,11 @@ import shutil
 
 import pytest
 import torch
-
-from workbench.runs import RunDir
 from safetensors.torch import load_file
 
 from workbench import generate, load_run, train
 from workbench.cli import main
+from workbench.runs import RunDir
 
 
 def adapter_weights(run_dir):
