@@ -193,6 +193,7 @@ def test_several_processes_go_through_workbench_launch(root, monkeypatch):
 
     class FakeProcess:
         pid = 999_999
+        returncode = 0
 
         def __init__(self, argv, **kwargs):
             started.append((argv, kwargs))
@@ -469,7 +470,7 @@ def test_save_writes_only_recipes_whose_paths_stay_inside(h, root, tmp_path_fact
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.jsonl").write_text("{}\n")
     (root / "runs/x").mkdir(parents=True)
-    assert "must be under recipes/" in h.save_recipe("runs/x/recipe.yaml", tiny_text("x"))
+    assert "must be a file under recipes/" in h.save_recipe("runs/x/recipe.yaml", tiny_text("x"))
     assert not (root / "runs/x/recipe.yaml").exists()
     evil = tiny_text("x", f"data.train={outside}/secret.jsonl")
     assert "outside the workspace" in h.save_recipe("recipes/evil.yaml", evil)
@@ -559,3 +560,71 @@ def test_stop_and_resume_are_enabled_by_the_jobs_state(h, monkeypatch):
                             "interrupted": (False, True), "failed": (False, True)}.items():
         monkeypatch.setattr(h.jobs, "status", lambda name, s=state: SimpleNamespace(state=s))
         assert h.buttons("x") == expected, state
+
+
+# -- found by a second attack --------------------------------------------------------------------------------
+
+
+def test_a_launch_never_writes_through_symlinks_planted_in_the_job_records(h, root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "bashrc").write_text("precious\n")
+    (outside / "notes.yaml").write_text("precious\n")
+    folder = root / ".workbench-ui/jobs/victim"
+    folder.mkdir(parents=True)
+    (folder / "train.log").symlink_to(outside / "bashrc")
+    (folder / "recipe.yaml").symlink_to(outside / "notes.yaml")
+    (folder / "job.json").symlink_to(outside / "notes.yaml")
+    name, status = h.launch(tiny_text("victim", "training.max_steps=1"), 1)
+    assert name == "victim", status
+    assert h.jobs.wait(name, timeout=240) == 0, h.jobs.log_tail(name)
+    assert (outside / "bashrc").read_text() == "precious\n" and (outside / "notes.yaml").read_text() == "precious\n"
+    assert not (folder / "train.log").is_symlink() and "step 1/1" in h.jobs.log_tail(name)
+
+
+def test_stop_signals_only_the_process_a_job_record_really_names(h, root):
+    import os
+    import signal
+
+    from ui.jobs import Job
+
+    h.jobs._folder("evil").mkdir(parents=True)
+    for pid in (0, 1, os.getpid(), -5):  # pid 0: this server's own process group
+        h.jobs._write(Job("evil", "runs/victim", ["train", "x"], pid, time.time(), "x.log"))
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            assert "not running" in h.stop("evil"), pid
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def test_symlinked_runs_or_recipes_folders_do_not_widen_the_rules(h, root):
+    (root / "runs").symlink_to(root)  # runs/ -> the workspace itself
+    status, bad = h.check(yaml.safe_load(tiny_text("recipes")))
+    assert "output.dir" in status and bad
+    (root / "runs").unlink()
+    run = root / "runs/victim"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("r: 8\n")
+    shutil.move(str(root / "recipes"), str(root / "real-recipes"))
+    (root / "recipes").symlink_to(run)
+    assert "not saved" in h.save_recipe("recipes/recipe.yaml", tiny_text("x"))
+    assert (run / "recipe.yaml").read_text() == "r: 8\n"
+
+
+def test_save_asks_before_replacing_a_recipe(h, root):
+    before = (root / "recipes/quickstart.yaml").read_text()
+    assert "press Save again" in h.save_recipe("recipes/quickstart.yaml", tiny_text("other"))
+    assert (root / "recipes/quickstart.yaml").read_text() == before
+    assert "saved recipes/quickstart.yaml" in h.save_recipe("recipes/quickstart.yaml", tiny_text("other"))
+
+
+def test_chat_and_compare_refuse_run_files_that_link_outside(h, root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.yaml").write_text("api_token: sk-SECRET\n")
+    run = root / "runs/victim"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "recipe.yaml").symlink_to(outside / "secret.yaml")
+    base, tuned, status = h.chat("victim", "hi", 8)
+    assert "symbolic link" in status and "sk-SECRET" not in status
+    assert "symbolic link" in h.compare(["victim"])[-1]

@@ -55,3 +55,39 @@ def test_a_wildcard_bind_allows_the_machines_own_names(monkeypatch):
     names = allowed_hosts("0.0.0.0")
     assert {"127.0.0.1", "localhost", socket.gethostname().lower(), "proxy.example"} <= names
     assert "0.0.0.0" not in names
+
+
+def test_a_sandboxed_frames_null_origin_is_refused():
+    assert app().post("/gradio_api/call/x", headers={"origin": "null"}).status_code == 403
+
+
+def test_parallel_guesses_count_each_one():
+    """Guesses in flight at once each take a place in the count (no lost updates)."""
+    import asyncio
+
+    from ui.guard import Guard
+
+    async def slow_wrong(scope, receive, send):
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    guard = Guard(slow_wrong, {"127.0.0.1"})
+
+    async def one():
+        codes = []
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                codes.append(message["status"])
+
+        scope = {"type": "http", "method": "POST", "path": "/login", "client": ("test-client", 1),
+                 "headers": [(b"host", b"127.0.0.1")]}
+        await guard(scope, None, send)
+        return codes[0]
+
+    async def burst():
+        return await asyncio.gather(*(one() for _ in range(40)))
+
+    codes = asyncio.run(burst())
+    assert codes.count(400) == MAX_FAILURES and codes.count(429) == 40 - MAX_FAILURES

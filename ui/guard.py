@@ -64,7 +64,7 @@ class Guard:
         if not self._allowed(_hostname(headers.get("host", ""))):
             return await _refuse(scope, send, 403, "host not allowed")
         origin = headers.get("origin")
-        if origin and origin != "null" and not self._allowed(_hostname(origin)):
+        if origin is not None and not self._allowed(_hostname(origin)):  # "null": a sandboxed frame, refused
             return await _refuse(scope, send, 403, "origin not allowed")
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").endswith("/login"):
             return await self._login(scope, receive, send)
@@ -76,6 +76,11 @@ class Guard:
         wait = until - time.monotonic()
         if wait > 0:
             return await _refuse(scope, send, 429, "too many failed logins", retry_after=wait)
+        # counted as a failure before the password is checked (no await in between): parallel guesses
+        # each take a place in the count, and the ones past the limit wait
+        count += 1
+        lockout = min(FIRST_LOCKOUT_S * 2 ** (count - MAX_FAILURES), MAX_LOCKOUT_S) if count >= MAX_FAILURES else 0
+        self.failures[client] = (count, time.monotonic() + lockout)
         status = {}
 
         async def watch(message):
@@ -84,11 +89,7 @@ class Guard:
             await send(message)
 
         await self.app(scope, receive, watch)
-        if status.get("code", 500) >= 400:
-            count += 1
-            lockout = min(FIRST_LOCKOUT_S * 2 ** (count - MAX_FAILURES), MAX_LOCKOUT_S) if count >= MAX_FAILURES else 0
-            self.failures[client] = (count, time.monotonic() + lockout)
-        else:
+        if status.get("code", 500) < 400:
             self.failures.pop(client, None)
 
 

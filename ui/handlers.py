@@ -110,9 +110,16 @@ class Handlers:
             self.ws.check_recipe_paths(form.recipe_from_yaml(text), self.allow_remote_code)
         except WorkbenchError as err:
             return status_html("error", f"not saved: {err}")
+        text = text if text.endswith("\n") else text + "\n"
+        where = self.ws.relative(path)
+        if path.exists() and path.read_text(errors="replace") != text:  # replacing a recipe: asked twice
+            asked = self._replace_asked.pop(where, None)
+            if asked is None or time.time() - asked > REPLACE_CONFIRM_S:
+                self._replace_asked[where] = time.time()
+                return status_html("warn", f"{where} exists and differs: press Save again to overwrite it")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text if text.endswith("\n") else text + "\n")
-        return status_html("ok", f"saved {self.ws.relative(path)}")
+        path.write_text(text)
+        return status_html("ok", f"saved {where}")
 
     # -- Estimate -------------------------------------------------------------------------------
 
@@ -162,6 +169,9 @@ class Handlers:
         try:
             recipe = form.recipe_from_yaml(text)
             run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            job = self.jobs.status(recipe.name)
+            if job is not None and job.state in ("running", "stopping"):
+                return None, status_html("error", f"not launched: job {recipe.name} is still running: stop it first")
             existing = run_path.is_dir() and any(run_path.iterdir())
             where = self.ws.relative(run_path)
             if existing and not replace:

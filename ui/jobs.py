@@ -102,7 +102,7 @@ class JobRegistry:
             self._refuse_if_running(recipe.name)
             folder = self._folder(recipe.name)
             folder.mkdir(parents=True, exist_ok=True)
-            recipe_file = folder / "recipe.yaml"
+            recipe_file = _own_file(folder, "recipe.yaml")
             recipe.save(recipe_file)
             rel = self.ws.relative(recipe_file)
             command = _command(rel, int(nproc), "--overwrite" if replace else None)
@@ -136,10 +136,12 @@ class JobRegistry:
 
     def _spawn(self, name: str, run_dir: str, command: list[str], fresh_log: bool, earlier: Job | None = None) -> Job:
         folder = self._folder(name)
-        log_path = folder / "train.log"
+        log_path = _own_file(folder, "train.log")
+        log_rel = self.ws.relative(log_path)  # checked before anything is written or started
         # -P: the working directory (the workspace) is not put on the import path
         argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "workbench", *command]
         env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False", PYTHONSAFEPATH="1")
+        env.pop("WORKBENCH_UI_AUTH", None)  # the server's login is none of a job's business
         package_root = str(Path(workbench.__file__).resolve().parents[1])  # the same workbench as this server
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         with open(log_path, "w" if fresh_log else "a") as log:
@@ -149,7 +151,7 @@ class JobRegistry:
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self._procs[name] = proc
         history = [*earlier.history, " ".join(earlier.command)] if earlier else []
-        job = Job(name, run_dir, command, proc.pid, time.time(), self.ws.relative(log_path), history=history)
+        job = Job(name, run_dir, command, proc.pid, time.time(), log_rel, history=history)
         self._write(job)
         return job
 
@@ -259,13 +261,13 @@ class JobRegistry:
             return None
 
     def _write(self, job: Job) -> None:
-        write_json_atomic(self._folder(job.name) / "job.json", asdict(job))
+        write_json_atomic(_own_file(self._folder(job.name), "job.json"), asdict(job))
 
     def _alive(self, job: Job) -> bool:
         proc = self._procs.get(job.name)
         if proc is not None and proc.pid == job.pid:
             return proc.poll() is None  # our own child: poll() also reaps it
-        return _pid_runs_workbench(job.pid)  # started by an earlier server process
+        return _pid_runs_job(job)  # started by an earlier server process
 
 
 def _command(recipe: str, nproc: int, mode: str | None) -> list[str]:
@@ -276,18 +278,31 @@ def _command(recipe: str, nproc: int, mode: str | None) -> list[str]:
     return ["launch", recipe, "--nproc", str(nproc), *flags]
 
 
-def _pid_runs_workbench(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
+def _own_file(folder: Path, name: str) -> Path:
+    """A file of the UI's own job records. A symbolic link planted there (a cloned workspace can ship one)
+    is removed, never written through."""
+    path = folder / name
+    if path.is_symlink():
+        path.unlink()
+    return path
+
+
+def _pid_runs_job(job: Job) -> bool:
+    """Whether the recorded pid is still this job: a group leader of its own (never this server's group)
+    whose command line ends with the job's workbench command. A job.json that names pid 0, this server
+    or any other process is not signalled."""
+    pid = job.pid
+    if not isinstance(pid, int) or pid <= 1:
         return False
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if cmdline.exists():  # guard against a recycled pid
-        try:
-            return b"workbench" in cmdline.read_bytes()
-        except OSError:
+    try:
+        if os.getpgid(pid) != pid or pid == os.getpgid(0):
             return False
-    return True
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, ProcessLookupError):
+        return False
+    argv = [a for a in argv if a]
+    command = [str(c) for c in job.command]
+    return len(argv) > len(command) and argv[-len(command):] == command and "workbench" in argv[:-len(command)]
 
 
 def _read_summary(run_dir: Path) -> dict:

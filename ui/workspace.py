@@ -6,11 +6,13 @@ it is joined to the root, fully resolved (symlinks followed) and must still be i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
+RUN_ENTRIES = ("run.json", "recipe.yaml", "metrics.jsonl", "adapter", "model", "checkpoints")
 UI_DIR = ".workbench-ui"  # the UI's own files (job registry, logs, CSV exports) live here, under the root
 
 
@@ -77,8 +79,11 @@ class Workspace:
 
     def run_dir(self, name: str) -> Path:
         path = self.resolve(f"runs/{name}", what="run")
-        if path.parent != self.runs_dir.resolve() or not (path / "run.json").is_file():
+        if path != self.runs_dir / path.name or self.runs_dir.is_symlink() or not (path / "run.json").is_file():
             raise PathError(f"run: {name} is not a run under {self.runs_dir}")
+        for entry in RUN_ENTRIES:  # what Compare and Chat read inside it must not lead out either
+            if (path / entry).is_symlink() or ((path / entry).exists() and not self._inside(path / entry)):
+                raise PathError(f"run: {name}/{entry} is a symbolic link; refused")
         return path
 
     def check_recipe_paths(self, recipe, allow_remote_code: bool = False) -> Path:
@@ -87,7 +92,8 @@ class Workspace:
         files). Returns that run directory."""
         out = str(recipe.run_dir)
         run_dir = self.resolve(out, what="output.dir")
-        if run_dir.parent != self.runs_dir.resolve() or run_dir.is_symlink():
+        # compared unresolved too: a runs/ that is a symbolic link (to the root, say) must not pass
+        if run_dir != self.runs_dir / run_dir.name or self.runs_dir.is_symlink() or run_dir.is_symlink():
             raise PathError(f"output.dir: {out} must be a folder directly under runs/ (e.g. runs/{{name}}); refused")
         if recipe.model.trust_remote_code and not allow_remote_code:
             raise PathError("model.trust_remote_code: would run code from the model's repository on this server; "
@@ -105,8 +111,12 @@ class Workspace:
     def saved_recipe_file(self, relative: str) -> Path:
         """Where Save may write: a .yaml under recipes/ (never a run's own recipe or the UI's records)."""
         path = self.recipe_file(relative, must_exist=False)
-        if not path.is_relative_to((self.root / "recipes").resolve()):
-            raise PathError(f"recipe file: {relative} must be under recipes/ (runs keep their own recipe)")
+        recipes = self.root / "recipes"
+        unresolved = Path(os.path.normpath(self.root / str(relative).strip()))
+        if (recipes.is_symlink() or unresolved.is_symlink() or path != unresolved
+                or not path.is_relative_to(recipes)):
+            raise PathError(f"recipe file: {relative} must be a file under recipes/, not a symbolic link "
+                            "(runs keep their own recipe)")
         return path
 
     def _inside(self, path: Path) -> bool:
