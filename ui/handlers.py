@@ -7,7 +7,6 @@ wires them to Gradio components. Errors a user can act on come back as a status 
 from __future__ import annotations
 
 import html
-import json
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pandas as pd
 
 from workbench import charts
 from workbench.errors import WorkbenchError
-from workbench.runs import COMPARE_COLUMNS, compare_rows, load_run
+from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
 from .jobs import registry_for
@@ -62,6 +61,14 @@ class Handlers:
         self.allow_remote_code = allow_remote_code
         self.jobs = registry_for(self.ws.root, allow_remote_code)
         self._replace_asked: dict[str, float] = {}  # run directory -> when the user was asked to confirm
+
+    def _confirmed(self, what: str) -> bool:
+        """Whether replacing `what` was asked for twice within REPLACE_CONFIRM_S; the first ask is remembered."""
+        asked = self._replace_asked.pop(what, None)
+        if asked is not None and time.time() - asked <= REPLACE_CONFIRM_S:
+            return True
+        self._replace_asked[what] = time.time()
+        return False
 
     # -- Configure ------------------------------------------------------------------------------
 
@@ -112,11 +119,8 @@ class Handlers:
             return status_html("error", f"not saved: {err}")
         text = text if text.endswith("\n") else text + "\n"
         where = self.ws.relative(path)
-        if path.exists() and path.read_text(errors="replace") != text:  # replacing a recipe: asked twice
-            asked = self._replace_asked.pop(where, None)
-            if asked is None or time.time() - asked > REPLACE_CONFIRM_S:
-                self._replace_asked[where] = time.time()
-                return status_html("warn", f"{where} exists and differs: press Save again to overwrite it")
+        if path.exists() and path.read_text(errors="replace") != text and not self._confirmed(where):
+            return status_html("warn", f"{where} exists and differs: press Save again to overwrite it")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return status_html("ok", f"saved {where}")
@@ -178,12 +182,9 @@ class Handlers:
                 return None, status_html("error", f"not launched: {where} already holds a run ({_run_line(run_path)}); "
                                                   "tick 'replace the existing run' to delete it and start again, "
                                                   "or give the recipe another name")
-            if existing:
-                asked = self._replace_asked.pop(where, None)
-                if asked is None or time.time() - asked > REPLACE_CONFIRM_S:
-                    self._replace_asked[where] = time.time()
-                    return None, status_html("warn", f"{where} holds a run ({_run_line(run_path)}) that will be "
-                                                     "DELETED: press Launch again to confirm")
+            if existing and not self._confirmed(where):
+                return None, status_html("warn", f"{where} holds a run ({_run_line(run_path)}) that will be "
+                                                 "DELETED: press Launch again to confirm")
             job = self.jobs.start(recipe, nproc=1 if nproc is None else int(nproc), replace=existing)
         except WorkbenchError as err:
             return None, status_html("error", f"not launched: {err}")
@@ -301,8 +302,8 @@ class Handlers:
 
 def _run_line(run_path: Path) -> str:
     try:
-        summary = json.loads((run_path / "run.json").read_text()).get("summary", {})
-    except (OSError, ValueError, AttributeError):
+        summary = RunDir(run_path).read_json().get("summary", {})
+    except WorkbenchError:
         return "unreadable run.json"
     return f"{summary.get('status', '?')}, {summary.get('steps', 0) or 0} steps"
 
