@@ -8,8 +8,10 @@ import pytest
 
 from workbench import Recipe, RecipeError, WorkbenchError
 from workbench.cli import main
-from workbench.distributed import (check_process_count, deepspeed_config, hybrid_shard_config, resolve_strategy,
-                                   verify_launch, world_size_from_env)
+from workbench.distributed import (check_process_count, deepspeed_config, hybrid_shard_config, verify_launch,
+                                   world_size_from_env)
+from workbench.strategies import DDP, FSDP, SINGLE, ZERO3
+from workbench.strategies import resolve as resolve_layout
 from workbench.launcher import check_launcher_agrees, plan_launch
 from workbench.precision import resolve
 
@@ -72,13 +74,14 @@ def test_dry_run_prints_the_command(capsys):
 def test_one_process_cannot_shard():
     recipe = Recipe.load(RECIPE).override("distributed.strategy=fsdp")
     with pytest.raises(RecipeError, match="distributed.strategy: fsdp shards across processes"):
-        resolve_strategy(recipe, 1)
-    assert resolve_strategy(Recipe.load(RECIPE), 1) == ("single", "one process")
+        resolve_layout(recipe, 1)
+    _, layout, why = resolve_layout(Recipe.load(RECIPE), 1)
+    assert (layout, why) == (SINGLE, "one process")
 
 
 def test_auto_asks_the_estimator_and_says_why():
-    strategy, why = resolve_strategy(Recipe.load(RECIPE), 2)
-    assert strategy == "ddp" and why.startswith("auto: estimator recommends")  # a tiny replica fits anywhere
+    _, layout, why = resolve_layout(Recipe.load(RECIPE), 2)
+    assert layout == DDP and why.startswith("auto: ddp is the first layout that fits")  # a tiny replica fits anywhere
 
 
 def test_an_accelerate_config_that_contradicts_the_recipe_is_refused(monkeypatch):
@@ -101,9 +104,9 @@ def test_one_process_from_a_multi_process_accelerate_launch_is_refused(monkeypat
 
 
 @pytest.mark.parametrize("strategy, came_up, ok", [
-    ("ddp", "DistributedType.MULTI_CPU", True), ("fsdp", "DistributedType.FSDP", True),
-    ("fsdp", "DistributedType.MULTI_CPU", False), ("deepspeed", "DistributedType.MULTI_GPU", False),
-    ("deepspeed", "DistributedType.DEEPSPEED", True),
+    (DDP, "DistributedType.MULTI_CPU", True), (FSDP, "DistributedType.FSDP", True),
+    (FSDP, "DistributedType.MULTI_CPU", False), (ZERO3, "DistributedType.MULTI_GPU", False),
+    (ZERO3, "DistributedType.DEEPSPEED", True),
 ])
 def test_a_silent_fallback_to_another_distributed_type_is_refused(monkeypatch, strategy, came_up, ok):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -118,7 +121,7 @@ def test_a_silent_fallback_to_another_distributed_type_is_refused(monkeypatch, s
 def test_ranks_that_do_not_form_one_run_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # two processes started, each alone
     with pytest.raises(WorkbenchError, match="do not form one run"):
-        verify_launch(SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO"), "ddp")
+        verify_launch(SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO"), DDP)
 
 
 def test_deepspeed_config_comes_from_the_recipe():

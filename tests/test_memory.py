@@ -293,12 +293,13 @@ def test_text_and_dataframe():
 
 def test_prediction_for_run():
     from workbench.memory import prediction_for_run
+    from workbench.strategies import SINGLE, layout_of
 
-    got = prediction_for_run(tiny(), "single", 1, "cpu")
+    got = prediction_for_run(tiny(), SINGLE, 1, "cpu")
     assert got["predicted_strategy"] == "single" and got["predicted_peak_memory_mb"] > 100
     deepspeed = tiny("distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
-    assert prediction_for_run(deepspeed, "deepspeed", 2, "cpu")["predicted_strategy"] == "zero3"
-    assert "prediction_error" in prediction_for_run(tiny("model.path=/no/such/model"), "single", 1, "cpu")
+    assert prediction_for_run(deepspeed, layout_of(deepspeed, 2), 2, "cpu")["predicted_strategy"] == "zero3"
+    assert "prediction_error" in prediction_for_run(tiny("model.path=/no/such/model"), SINGLE, 1, "cpu")
 
 
 # -- published figures ----------------------------------------------------------------------------

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from .errors import RecipeError, WorkbenchError
 from .recipe import Recipe
-
-# distributed types (accelerate's DistributedType names) that each strategy may come up as
-EXPECTED_TYPES = {
-    "single": {"NO"},
-    "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
-    "fsdp": {"FSDP"},
-    "deepspeed": {"DEEPSPEED"},
-}
-
+from .strategies import Layout
 
 # where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -51,41 +46,11 @@ def check_process_count() -> None:
         )
 
 
-def resolve_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
-    """(strategy, why). One process always runs `single`; `auto` asks the memory estimator."""
-    requested = recipe.distributed.strategy
-    if world_size == 1:
-        if requested in ("fsdp", "deepspeed"):
-            raise RecipeError(
-                f"distributed.strategy: {requested} shards across processes, but this run has one process; "
-                "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
-            )
-        return "single", "one process"
-    if requested != "auto":
-        return requested, "set in the recipe"
-    return choose_strategy(recipe, world_size)
-
-
-def choose_strategy(recipe: Recipe, world_size: int) -> tuple[str, str]:
-    """`auto`: DDP when a full replica fits on a device, else shard (the estimator says which)."""
-    try:
-        from .memory import estimate
-    except ImportError:
-        return "ddp", "auto: several processes, a full replica per process"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = estimate(recipe, world_size=world_size, nodes=int(os.environ.get("NUM_NODES", "1") or 1),
-                      device=None if device == "cuda" else "cpu")
-    name = result.recommended
-    if name.startswith("zero") or name.startswith("deepspeed"):
-        return "deepspeed", f"auto: estimator recommends {name}"
-    if name.startswith("fsdp"):
-        return "fsdp", f"auto: estimator recommends {name}"
-    return "ddp", f"auto: estimator recommends {name} (a full replica fits on each device)"
-
-
-def build_accelerator(recipe: Recipe, project_dir: str, strategy: str):
+def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
+    """The Accelerator that runs `layout`, with collectives that give up after distributed.timeout_s."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import InitProcessGroupKwargs
 
     # Accelerate keeps its state in process-wide singletons; a notebook that trains twice with
     # different precisions needs a fresh one (the process group in PartialState is kept).
@@ -94,23 +59,49 @@ def build_accelerator(recipe: Recipe, project_dir: str, strategy: str):
     on_gpu = torch.cuda.is_available()
     common = dict(mixed_precision=recipe.training.mixed_precision, log_with=list(recipe.output.trackers) or None,
                   project_dir=project_dir, step_scheduler_with_optimizer=False)
-    if strategy == "single":
+    # The processes first wait for each other (and for rank 0's data preparation) up to startup_timeout_s;
+    # the loop then tightens the limit to timeout_s (see collective_timeout).
+    startup = timedelta(seconds=recipe.distributed.startup_timeout_s)
+    if layout.strategy == "single":
         return Accelerator(**common)
-    if strategy == "ddp":
-        return Accelerator(cpu=not on_gpu, **common)
-    if strategy == "deepspeed":
-        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    if layout.strategy == "ddp":
+        return Accelerator(cpu=not on_gpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=startup)], **common)
+    if layout.strategy == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
 
         # On a CPU, DeepSpeed needs gloo named explicitly and must NOT get cpu=True (it would
         # silently become plain DDP).
-        handlers = [] if on_gpu else [InitProcessGroupKwargs(backend="gloo")]
+        handlers = [InitProcessGroupKwargs(timeout=startup, **({} if on_gpu else {"backend": "gloo"}))]
         plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe))
         return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers, **common)
-    if strategy == "fsdp":
+    if layout.strategy == "fsdp":
         if not on_gpu:
-            _fsdp_on_cpu()
-        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), parallelism_config=hybrid_shard_config(recipe), **common)
-    raise RecipeError(f"distributed.strategy: unknown strategy {strategy}")
+            _fsdp_on_cpu(startup)
+        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), parallelism_config=hybrid_shard_config(recipe),
+                           kwargs_handlers=[InitProcessGroupKwargs(timeout=startup)], **common)
+    raise RecipeError(f"distributed.strategy: unknown strategy {layout.strategy}")
+
+
+def collective_timeout(seconds: float) -> None:
+    """From here on a collective that waits longer than `seconds` for another process raises.
+
+    torch sets the limit when the process group opens; the loop wants a shorter one than startup
+    (where rank 0 may prepare data for minutes while the others wait). torch has no public setter."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=seconds))
+
+
+def accumulation_boundary(accelerator, model, last: bool):
+    """The context for one micro-batch's backward: gradients are synchronised on the last of a step only.
+
+    DeepSpeed reads the boundary from accelerate's gradient state (its engine then reduces and steps);
+    DDP and FSDP skip the all-reduce through no_sync. Accelerate's public `accumulate()` counts
+    micro-batches itself and scales the loss; the loop normalises over the whole step's target tokens
+    instead, so it sets the boundary directly, here and nowhere else."""
+    accelerator.gradient_state._set_sync_gradients(last)
+    return nullcontext() if last else accelerator.no_sync(model)
 
 
 def deepspeed_config(recipe: Recipe) -> dict:
@@ -180,7 +171,7 @@ def hybrid_shard_config(recipe: Recipe):
     return ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=per_node)
 
 
-def _fsdp_on_cpu() -> None:
+def _fsdp_on_cpu(timeout: timedelta) -> None:
     """Let Accelerate drive FSDP2 over gloo on a CPU.
 
     Accelerate only chooses FSDP on an accelerator-type distributed setup and refuses it on a CPU
@@ -193,7 +184,7 @@ def _fsdp_on_cpu() -> None:
     from accelerate.utils import DistributedType
 
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="gloo")
+        torch.distributed.init_process_group(backend="gloo", timeout=timeout)
     state = PartialState()
     if state.distributed_type != DistributedType.MULTI_GPU:
         state.distributed_type = DistributedType.MULTI_GPU
@@ -204,7 +195,7 @@ def _fsdp_on_cpu() -> None:
         state.device = torch.device("cpu")
 
 
-def verify_launch(accelerator, strategy: str) -> None:
+def verify_launch(accelerator, layout: Layout) -> None:
     """Fail loudly when the processes that came up are not the run that was asked for."""
     check_process_count()
     expected_world = world_size_from_env()
@@ -214,10 +205,10 @@ def verify_launch(accelerator, strategy: str) -> None:
             f"(accelerate sees {accelerator.num_processes}); launch with `workbench launch`"
         )
     got = str(accelerator.distributed_type).split(".")[-1]
-    if got not in EXPECTED_TYPES[strategy]:
+    if got not in layout.distributed_types:
         raise WorkbenchError(
-            f"distributed.strategy is {strategy}, but accelerate came up as {got}: a silent fallback; "
-            "launch with `workbench launch`, which picks a route that works on this machine"
+            f"distributed.strategy is {layout.strategy} ({layout.name}), but accelerate came up as {got}: a silent "
+            "fallback; launch with `workbench launch`, which picks a route that works on this machine"
         )
 
 
@@ -248,3 +239,80 @@ def configure_threads(requested: int | None) -> tuple[int, str]:
         why = f"{cores} cores / {local} local process{'es' if local > 1 else ''}"
     torch.set_num_threads(requested)
     return requested, why
+
+
+class Heartbeat:
+    """Each process's last finished step and its pid, kept in the launch's key-value store (the launcher hosts
+    it, so it outlives a dead process): when a collective fails, the survivors can name who stopped answering."""
+
+    def __init__(self, accelerator):
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.store = _launch_store() if self.world > 1 else None
+        self.host = socket.gethostname()
+        if self.store is not None:
+            self.store.set(f"workbench/pid/{self.rank}", f"{self.host} {os.getpid()}")
+
+    def beat(self, step: int) -> None:
+        if self.store is not None:
+            self.store.set(f"workbench/step/{self.rank}", str(step))
+
+    def _get(self, key: str) -> str | None:
+        try:
+            return self.store.get(key).decode() if self.store is not None and self.store.check([key]) else None
+        except Exception:  # noqa: BLE001  the store's host is gone too
+            return None
+
+    def others(self, step: int) -> str:
+        """Which other ranks are gone (a process of this machine that no longer exists) or behind `step`."""
+        gone, behind = [], []
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            host, _, pid = (self._get(f"workbench/pid/{rank}") or "").partition(" ")
+            if host == self.host and pid.isdigit() and not _alive(int(pid)):
+                gone.append(f"rank {rank} (pid {pid}) exited")
+                continue
+            done = self._get(f"workbench/step/{rank}")
+            if done is None or int(done) < step:
+                behind.append(f"rank {rank} stopped answering after step {done or 0}")
+        return "; ".join(gone + behind) or "another rank failed or stalls"
+
+
+def collective_failure(err: BaseException, heartbeat: Heartbeat, step: int, timeout_s: float) -> WorkbenchError | None:
+    """A failed or stalled collective as one error naming this rank, the step and the other ranks' state; None
+    when `err` is something else."""
+    text = f"{type(err).__name__}: {err}"
+    if heartbeat.world < 2 or not isinstance(err, RuntimeError) or not any(sign in text for sign in COLLECTIVE_SIGNS):
+        return None
+    first_line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return WorkbenchError(
+        f"rank {heartbeat.rank} of {heartbeat.world}: a collective after step {step} failed or waited longer than "
+        f"distributed.timeout_s={timeout_s:g} s: {heartbeat.others(step)} ({first_line}). The last complete "
+        "checkpoint stays usable: run the same command with --resume")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+# what gloo, NCCL and torch's store say when a peer died or stalls
+COLLECTIVE_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe",
+                    "DistBackendError", "DistNetworkError", "NCCL", "ProcessGroupGloo", "gloo")
+
+
+def _launch_store():
+    """torch's store for this process group (the launcher's TCPStore), with a short timeout of its own."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        return store
+    except Exception:  # noqa: BLE001  no store: the error still names this rank and the step
+        return None

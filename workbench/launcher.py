@@ -8,6 +8,7 @@ process, which `workbench train` would then detect and refuse.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -30,6 +31,9 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     run_dir: Path | None = None
     nproc: int = 1  # processes on this machine
+    nnodes: int = 1
+    master: str = ""
+    startup_timeout_s: float = 0
 
     def shell(self) -> str:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -60,11 +64,14 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
                "--main_process_port", port, "--mixed_precision", mixed_precision,
                "--dynamo_backend", "no"]
     if nnodes > 1:
-        command += ["--rdzv_backend", "static", "--same_network"]
+        # the machines must find each other within startup_timeout_s, not torchrun's default 10 minutes
+        command += ["--rdzv_backend", "static", "--same_network",
+                    "--rdzv_conf", f"timeout={math.ceil(recipe.distributed.startup_timeout_s)}"]
     env = {"NUM_NODES": str(nnodes)}
     if not torch.cuda.is_available():
         env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, (os.cpu_count() or 1) // nproc))
-    return LaunchPlan(command + train, env, recipe.run_dir, nproc)
+    return LaunchPlan(command + train, env, recipe.run_dir, nproc, nnodes, master,
+                      recipe.distributed.startup_timeout_s)
 
 
 def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
@@ -80,14 +87,17 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
         raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
                           f"{what[:-1]} at most")
     env = {**os.environ, **plan.env}
-    process = subprocess.Popen(plan.command, env=env)
+    # stderr passes through a reader that also watches for the launcher's rendezvous failures
+    process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    watcher = _RendezvousWatcher(process.stderr)
     forward = lambda signum, frame: process.send_signal(signum)  # noqa: E731
     previous = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() \
         else None
     try:
         while True:
             try:
-                return process.wait(timeout=timeout)
+                code = process.wait(timeout=timeout)
+                break
             except KeyboardInterrupt:
                 continue  # the ranks got it too and are stopping: wait for them
     except subprocess.TimeoutExpired:
@@ -96,6 +106,32 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        watcher.join()
+    if code and watcher.failed and plan.nnodes > 1:
+        raise WorkbenchError(
+            f"the {plan.nnodes} machines did not find each other within distributed.startup_timeout_s="
+            f"{plan.startup_timeout_s:g} s at --master {plan.master} ({watcher.failed}); start the same "
+            "`workbench launch` with every --node-rank, and give each the address of machine rank 0")
+    return code
+
+
+class _RendezvousWatcher(threading.Thread):
+    """Copies the launch's stderr to ours, remembering a rendezvous timeout or refused connection."""
+
+    SIGNS = ("waiting for clients", "DistStoreError", "DistNetworkError", "Connection refused",
+             "failed to connect", "Timed out after")
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.failed = stream, ""
+        self.start()
+
+    def run(self) -> None:
+        for line in self.stream:
+            sys.stderr.write(line)
+            if not self.failed and any(sign in line for sign in self.SIGNS):
+                self.failed = line.strip()[-200:]
+        sys.stderr.flush()
 
 
 def check_launcher_agrees(strategy: str) -> None:

@@ -20,6 +20,7 @@ from .errors import RecipeError
 from .model_configs import ModelInfo, describe_model
 from .precision import compute_dtype_of, resolve_recipe
 from .recipe import Recipe
+from .strategies import FSDP, PARTS, Layout, candidates, nodes_from_env
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
@@ -41,6 +42,7 @@ class Estimate:
     throughput: dict
     notes: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # the single-device terms the breakdowns are built from
+    terms: dict = field(default_factory=dict, repr=False)  # the same, in full: any layout's row is built from them
 
     def to_json(self) -> dict:
         return {"model": self.model, "strategies": self.strategies, "recommended": self.recommended,
@@ -114,7 +116,7 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
     info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
     terms = single_device_terms(recipe, info, dev)
-    strategies = [_strategy(name, terms, dev, world_size, nodes) for name in _strategy_names(world_size, nodes)]
+    strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in candidates(world_size, nodes)]
     recommended = next((s["name"] for s in strategies if s["fits"]), "none")
     model = {"name": recipe.model.path, "source": info.source, "params": info.params,
              "trainable_params": terms["trainable_params"],
@@ -124,36 +126,24 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     notes = [*precision.warnings, *_notes(strategies, recommended, dev, world_size, terms, recipe)]
     device_json["precision"] = precision.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
-    return Estimate(model, device_json, strategies, recommended, throughput, notes, details)
+    return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms)
 
 
-def prediction_for_run(recipe: Recipe, strategy: str, world_size: int, device_type: str) -> dict:
-    """The estimate for a run's own setup, for its run.json summary beside what it measures.
+def prediction_for_run(recipe: Recipe, layout: Layout, world_size: int, device_type: str) -> dict:
+    """The estimate for a run's own layout, for its run.json summary beside what it measures.
 
     On CUDA the run measures max_memory_allocated, which leaves out the CUDA context: so does this.
     Never raises: a run must not fail because its prediction did.
     """
     try:
         est = estimate(recipe, world_size=world_size, device="cpu" if device_type == "cpu" else None)
-        name = _strategy_of_run(recipe, strategy)
-        row = next((s for s in est.strategies if s["name"] == name), est.strategies[0])
+        dev = get_device("cpu" if device_type == "cpu" else None)
+        row = _strategy(layout, est.terms, dev, world_size, nodes_from_env())
         peak = row["per_device_bytes"] - (CUDA_CONTEXT if device_type == "cuda" else 0)
         return {"predicted_peak_memory_mb": round(peak / 2**20, 1), "predicted_strategy": row["name"],
                 "predicted_tokens_per_s": round(est.throughput["tokens_per_s"], 1)}
     except Exception as err:  # noqa: BLE001
         return {"prediction_error": f"{type(err).__name__}: {err}"}
-
-
-def _strategy_of_run(recipe: Recipe, strategy: str) -> str:
-    """The estimator's name for a resolved distributed strategy (single, ddp, fsdp, deepspeed)."""
-    if strategy == "deepspeed":
-        ds = recipe.distributed.deepspeed
-        offload = ds.offload_optimizer == "cpu" or ds.offload_params == "cpu"
-        return f"zero{ds.stage}" + ("_offload" if offload and ds.stage > 1 else "")
-    if strategy == "fsdp":
-        fsdp = recipe.distributed.fsdp
-        return "fsdp_offload" if fsdp.cpu_offload else "fsdp_hybrid" if fsdp.sharding == "hybrid" else "fsdp"
-    return strategy
 
 
 # -- the terms of one training process on one device ------------------------------------------------
@@ -374,41 +364,26 @@ def _distinct_inputs(linears: list) -> int:
 
 # -- strategies -------------------------------------------------------------------------------------
 
-SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
-           "zero3": ("weights", "adapter", "gradients", "optimizer"),
-           "fsdp": ("weights", "adapter", "gradients", "optimizer"),
-           "fsdp_hybrid": ("weights", "adapter", "gradients", "optimizer")}
-OFFLOADED = {"fsdp_offload": ("weights", "adapter", "gradients", "optimizer"), "zero2_offload": ("optimizer",),
-             "zero3_offload": ("weights", "adapter", "gradients", "optimizer")}
-
-
-def _strategy_names(world_size: int, nodes: int) -> list[str]:
-    """In order of preference: least communication and host traffic first."""
-    names = ["single" if world_size == 1 else "ddp", "zero1", "zero2"]
-    names += ["fsdp_hybrid"] if nodes > 1 else []
-    return names + ["fsdp", "zero3", "fsdp_offload", "zero2_offload", "zero3_offload"]
-
-
-def _strategy(name: str, t: dict, dev: Device, world_size: int, nodes: int) -> dict:
+def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int) -> dict:
+    """One layout's memory per device: its sharded parts divided, its offloaded parts moved to the host."""
     local = world_size // nodes
-    base = name.removesuffix("_offload")
-    group = local if base == "fsdp_hybrid" else world_size  # hybrid shards within a node only
-    part = {k: t[k] for k in ("weights", "adapter", "gradients", "optimizer")}
-    if base.startswith("zero"):
+    group = local if layout.hybrid else world_size  # hybrid shards within a node only
+    part = {k: t[k] for k in PARTS}
+    if layout.strategy == "deepspeed":
         part["optimizer"] += t["master_weights"]  # DeepSpeed keeps fp32 master weights of 16-bit params
-    if base == "ddp":
+    if layout.strategy == "ddp":
         part["gradients"] *= 2  # DDP's communication buckets hold a second copy of the gradients
-    for key in SHARDED[base]:
+    for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
-    if base in ("zero3", "fsdp", "fsdp_hybrid"):
+    if layout.shards_weights:
         other += t["gathered_weights"]
     offloaded = 0
     if dev.kind == "cuda":  # on a CPU the "device" is host RAM already: offloading moves nothing
-        for key in OFFLOADED.get(name, ()):
+        for key in layout.offloads:
             offloaded += part[key]
             part[key] = 0
-    if base in ("zero3", "fsdp", "fsdp_hybrid"):  # a sharded head: the loss takes the full-logits path
+    if layout.shards_weights:  # a sharded head: the loss takes the full-logits path
         t = {**t, "activations": t["activations_full_logits"]}
     activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
     breakdown = {**part, "activations": activations, "other": other}
@@ -416,7 +391,7 @@ def _strategy(name: str, t: dict, dev: Device, world_size: int, nodes: int) -> d
     host = per_device if dev.kind == "cpu" else cpu_runtime_bytes() + offloaded
     cpu_bytes = local * host
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
-    return {"name": name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
+    return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
             "breakdown": {k: int(v) for k, v in breakdown.items()}}
 
 
@@ -434,7 +409,7 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
                          f"by {world_size} for a speed-up below {world_size}x (gradient all-reduce every step).")
     elif recommended == "none":
         need = next((n for n in (2**k for k in range(1, 13))
-                     if n > world_size and _strategy("fsdp", terms, dev, n, 1)["fits"]), None)
+                     if n > world_size and _strategy(FSDP, terms, dev, n, 1)["fits"]), None)
         hint = (f"fsdp/zero3 would fit on {need} of them; " if need else
                 "sharding alone cannot help (activations are per device); ")
         notes.append(f"Does not fit on {world_size} x {dev.name} with any strategy: {hint}try "

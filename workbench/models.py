@@ -77,7 +77,10 @@ def load_base_model(recipe: Recipe, device_map=None):
     )
     if recipe.quantization is not None:
         kwargs["quantization_config"] = bnb_config(recipe)
-        kwargs["device_map"] = device_map or {"": _current_device()}
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():  # ZeRO-3 places (and partitions) the weights itself
+            kwargs["device_map"] = device_map or {"": _current_device()}
     elif device_map is not None:
         kwargs["device_map"] = device_map
     return _hub_call(path, "weights", lambda: AutoModelForCausalLM.from_pretrained(path, **kwargs))

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import RecipeError
+from .errors import RecipeError, WorkbenchError
 from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
@@ -143,8 +143,28 @@ class DistributedSection(Section):
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = Field(
         "auto", description="auto chooses from the world size and the memory estimate."
     )
+    device_memory: str | None = Field(
+        None, description="memory per device that auto plans for (e.g. 40GB); default: the device's own.")
+    timeout_s: float = Field(
+        60, gt=0, description="seconds a collective may wait for the other processes before the run stops, "
+                              "naming the step and the processes that did not answer.")
+    startup_timeout_s: float = Field(
+        600, gt=0, description="seconds the processes may take to find each other and prepare the data.")
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _readable_memory(cls, value):
+        if value is None:
+            return None
+        from .devices import parse_bytes
+
+        try:
+            parse_bytes(value)
+        except WorkbenchError as err:
+            raise ValueError(str(err)) from None
+        return str(value)
 
 
 class OutputSection(Section):

@@ -2,9 +2,10 @@
 
 A resumed run must continue the run its files describe. Settings that change what is trained, on which data,
 or the schedule it follows (lr, steps, batch, adapter shape, precision) are refused with one error listing
-them; settings that only change how the run is watched or how fast it goes, and a new peak lr (the way out of a
-divergence: warmup and decay continue, scaled), are allowed and recorded with
-the checkpoint step they start from. `auto` in the new recipe keeps what the run resolved it to.
+them; the micro-batch and accumulation may change with the process count while their product with it (the
+samples of one step) stays the same. Settings that only change how the run is watched or how fast it goes,
+and a new peak lr (the way out of a divergence: warmup and decay continue, scaled), are allowed and
+recorded with the checkpoint step they start from. `auto` in the new recipe keeps what the run resolved it to.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ SAFE_TO_CHANGE = (
 PRECISION_KEYS = ("model.dtype", "training.mixed_precision", "quantization.compute_dtype")
 
 
-def check_resume(recipe: Recipe, run: RunDir) -> tuple[Recipe, dict[str, list]]:
+def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Recipe, dict[str, list]]:
     """The recipe to continue with, and the allowed changes ({key: [saved, new]}); RecipeError listing every
-    refused change otherwise."""
+    refused change otherwise. `world_size`: the processes that continue the run."""
     try:
         saved = Recipe.load(run.recipe)
     except (RecipeError, OSError) as err:
@@ -41,6 +42,8 @@ def check_resume(recipe: Recipe, run: RunDir) -> tuple[Recipe, dict[str, list]]:
             new[key] = old[key]
     changed = {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
     refused = {k: v for k, v in changed.items() if not _safe(k)}
+    if _same_global_batch(saved, recipe, run, world_size):  # another process count: the same samples per step
+        refused = {k: v for k, v in refused.items() if k not in BATCH_KEYS}
     if refused:
         listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
         raise RecipeError(f"--resume: the recipe differs from the run's own ({run.recipe}) in what it trains: "
@@ -48,6 +51,21 @@ def check_resume(recipe: Recipe, run: RunDir) -> tuple[Recipe, dict[str, list]]:
                           f"A resume may change only {', '.join(SAFE_TO_CHANGE)}")
     overrides = {key.replace(".", "__"): new[key] for key in PRECISION_KEYS if key in new}
     return recipe.override(**overrides), changed
+
+
+BATCH_KEYS = ("training.micro_batch_size", "training.grad_accum")
+
+
+def _same_global_batch(saved: Recipe, new: Recipe, run: RunDir, world_size: int) -> bool:
+    """micro-batch x accumulation x processes unchanged: the run sees the same samples in each step."""
+    saved_world = run.read_json().get("summary", {}).get("world_size")
+    if not isinstance(saved_world, int):
+        return False
+
+    def per_step(recipe, world):
+        return recipe.training.micro_batch_size * recipe.training.grad_accum * world
+
+    return per_step(saved, saved_world) == per_step(new, world_size)
 
 
 def _safe(key: str) -> bool:

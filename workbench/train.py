@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from .data import IGNORE, Collator, EpochSampler, prepare_data
-from .distributed import (build_accelerator, configure_threads, local_parameter_elements, resolve_strategy,
-                          verify_launch, world_size_from_env)
+from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
+                          configure_threads, local_parameter_elements, verify_launch, world_size_from_env)
 from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
 from .fastpath import apply_fast_paths
@@ -27,6 +27,7 @@ from .launcher import check_launcher_agrees
 from .lm_loss import full_logits_loss_sum, lm_loss_sum
 from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
+from . import checkpoints
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
 from .precision import compute_dtype_of, local_kind, resolve_recipe
@@ -34,8 +35,10 @@ from .preflight import check_disk_space, preflight
 from .quiet import quiet_libraries
 from .recipe import Recipe
 from .resume import check_resume
-from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder, write_json_atomic
+from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder
 from .stopping import StopRequest, agree
+from .strategies import Layout, nodes_from_env
+from .strategies import resolve as resolve_layout
 
 
 @dataclass
@@ -81,19 +84,21 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     threads, threads_why = configure_threads(recipe.training.threads)  # before the precision probe times matmuls
     changes = {}
     if resume and run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
-        recipe, changes = check_resume(recipe, run)
+        recipe, changes = check_resume(recipe, run, world_size_from_env())
     # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
     recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
     tokenizer, model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once, used twice
     warnings = [*precision.warnings, *preflight(recipe, tokenizer, model_config, resume)]
-    strategy, why = resolve_strategy(recipe, world_size_from_env())
-    check_launcher_agrees(strategy)
-    accelerator = build_accelerator(recipe, str(run.path), strategy)
-    verify_launch(accelerator, strategy)
+    # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
+    requested = recipe.distributed.strategy
+    recipe, layout, why = resolve_layout(recipe, world_size_from_env(), nodes_from_env())
+    check_launcher_agrees(layout.strategy)
+    accelerator = build_accelerator(recipe, str(run.path), layout)
+    verify_launch(accelerator, layout)
     main = accelerator.is_main_process
     if accelerator.num_processes > 1:
-        accelerator.print(f"strategy: {strategy} ({why}), {accelerator.num_processes} processes, "
+        accelerator.print(f"layout: {layout.name} ({why}), {accelerator.num_processes} processes, "
                           f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
     for warning in warnings:
         accelerator.print(f"warning: {warning}")
@@ -107,8 +112,10 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
                 check_same_data(run, data_stats)
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
-            recipe.save(run.recipe)
-            start = {"status": "running", "strategy": strategy, "strategy_reason": why, **precision.to_json(),
+            # saved as asked (`auto` stays auto: a resume on another world size chooses again)
+            recipe.override(distributed__strategy=requested).save(run.recipe)
+            start = {"status": "running", "strategy": layout.strategy, "strategy_reason": why,
+                     "layout": layout.to_json(), **precision.to_json(),
                      "threads": threads, "threads_reason": threads_why, "warnings": warnings}
             if changes:
                 latest = run.latest_checkpoint()
@@ -118,20 +125,29 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
         accelerator.wait_for_everyone()
         taken = True
 
+    state, heartbeat = Progress(), Heartbeat(accelerator)
     try:
         if main:
             run.claim(resume=resume, overwrite=overwrite)  # the lock; refusals; nothing deleted yet
         accelerator.wait_for_everyone()
         with StopRequest() as stop:
-            summary = _train(recipe, run, accelerator, resume, progress_bar, started, strategy, stop, take_over,
-                             tokenizer, model_config)
+            summary = _train(recipe, run, accelerator, resume, progress_bar, started, layout, stop, take_over,
+                             tokenizer, model_config, state, heartbeat)
     except BaseException as err:
+        named = collective_failure(err, heartbeat, state.step, recipe.distributed.timeout_s)
+        if named is not None:
+            err = named
         if main and taken:
             status = "interrupted" if isinstance(err, (KeyboardInterrupt, Interrupted)) else "failed"
             run.update_json(summary={"status": status, "error": f"{type(err).__name__}: {err}"})
+        if named is not None:
+            raise named from None
         raise
     finally:
-        accelerator.end_training()
+        # trackers end with the run; the process group stays open for the process's next run (the CLI closes
+        # it on exit), as reopening one over the same launch store can hang
+        for tracker in accelerator.trackers:
+            tracker.finish()
         run.release()
     if main:
         summary = run.read_json()["summary"]  # with what was recorded at the start
@@ -149,7 +165,8 @@ def check_same_data(run: RunDir, stats: dict) -> None:
 
 
 def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
-           strategy: str, stop: StopRequest, take_over, tokenizer, model_config) -> dict:
+           layout: Layout, stop: StopRequest, take_over, tokenizer, model_config, state: "Progress",
+           heartbeat: Heartbeat) -> dict:
     cfg = recipe.training
     main = accelerator.is_main_process
     torch.manual_seed(cfg.seed)
@@ -189,17 +206,15 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     scheduler = build_scheduler(optimizer, recipe, total_steps)
-    state = Progress()
     accelerator.register_for_checkpointing(scheduler, state)
     accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
     metrics = MetricsWriter(run.metrics, enabled=main)
     if resume and (latest := run.latest_checkpoint()) is not None:
-        # checkpoints hold trainable weights only; DeepSpeed names the same option its own way
-        deepspeed = str(accelerator.distributed_type).endswith("DEEPSPEED")
-        accelerator.load_state(str(latest[1]), **({"load_module_strict": False} if deepspeed else {"strict": False}))
+        how = checkpoints.load(accelerator, latest[1], layout, model, optimizer, scheduler, state,
+                               cfg.micro_batch_size)
         metrics.truncate_after(state.step)
-        accelerator.print(f"resumed from {latest[1]} at step {state.step}")
+        accelerator.print(f"resumed from {latest[1]} at step {state.step} ({how})")
     elif main:
         metrics.truncate_after(0)
     if accelerator.trackers == [] and recipe.output.trackers:
@@ -236,6 +251,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         set_peak_lr(scheduler, recipe.training.lr)
     last_loss = None
     startup_s = time.perf_counter() - started  # what the user waits for before the first step
+    collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
     while state.step < total_steps:
         train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
@@ -247,9 +263,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                # DeepSpeed reads the boundary from here; DDP and FSDP skip the all-reduce via no_sync.
-                accelerator.gradient_state._set_sync_gradients(last)
-                with nullcontext() if last else accelerator.no_sync(model), offload():
+                with accumulation_boundary(accelerator, model, last), offload():
                     loss_sum = loss_sum_of(model, batch)
                     # Normalise over every target token of the step on every rank; DDP averages
                     # gradients over ranks, so scale by the world size to undo that mean.
@@ -277,6 +291,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             optimizer.zero_grad(set_to_none=True)
 
             state.step += 1
+            heartbeat.beat(state.step)
             state.batches_in_epoch += len(micro_batches)
             state.train_seconds += time.perf_counter() - step_start
             bar.update(1)
@@ -314,7 +329,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
             if saved or signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
                 state.window = _window_totals(accelerator, window_loss, window_targets, window_tokens, window_start)
-                save_checkpoint(accelerator, run, state.step, recipe.output.keep_last)
+                checkpoints.save(accelerator, run, layout, model, optimizer, scheduler, state, cfg.micro_batch_size,
+                                 recipe.output.keep_last)
             if signum:
                 bar.close()
                 raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
@@ -346,7 +362,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     train_s = state.train_seconds
     # what the estimator predicts for this setup, beside what was measured (computed after the
     # measurement, so that building the estimate never shows in the measured peak)
-    prediction = prediction_for_run(recipe, strategy, world, accelerator.device.type)
+    prediction = prediction_for_run(recipe, layout, world, accelerator.device.type)
     summary.update({
         "status": "completed", "steps": state.step, "epochs_started": state.epoch + 1, "tokens": state.tokens,
         "wall_s": round(time.perf_counter() - started, 2), "train_s": round(train_s, 2),
@@ -359,7 +375,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "peak_flops_source": peak_source, "final_loss": last_loss,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
-        "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": strategy,
+        "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": layout.strategy,
+        "layout": layout.to_json(),
         "skipped_steps": state.skipped_steps,
         **prediction,
     })
@@ -410,29 +427,7 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
-def save_checkpoint(accelerator, run: RunDir, step: int, keep_last: int) -> None:
-    """Full training state, staged under a temporary name and renamed into place when complete."""
-    staging = run.staging_checkpoint(step)
-    # DeepSpeed writes its own engine checkpoint: keep the frozen base weights out of it too.
-    extra = {"exclude_frozen_parameters": True} if str(accelerator.distributed_type).endswith("DEEPSPEED") else {}
-    accelerator.save_state(str(staging), safe_serialization=True, **extra)
-    _pause_for_crash_tests(step)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_json_atomic(staging / "workbench_checkpoint.json", {"step": step})
-        run.publish_checkpoint(step, keep_last)
-    accelerator.wait_for_everyone()
-
-
 MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION = 3, 0.1  # on_nonfinite: skip stops a run that skips more
-
-
-def _pause_for_crash_tests(step: int) -> None:
-    """LORA_WORKBENCH_CHECKPOINT_PAUSE=STEP:SECONDS holds checkpoint STEP half-written for that long, so a
-    test can kill the process inside the write window (tests/test_crash.py)."""
-    wanted, _, seconds = os.environ.get("LORA_WORKBENCH_CHECKPOINT_PAUSE", "").partition(":")
-    if wanted == str(step):
-        time.sleep(float(seconds or 0))
 
 
 def _window_totals(accelerator, loss, targets, tokens: int, start: float) -> dict:

@@ -1,0 +1,101 @@
+"""The one home of the distributed layouts: names, what each shards and offloads, `auto`, and the
+compatibility rules checked on the layout that really runs (no processes are started here)."""
+
+import pytest
+
+from workbench import Recipe, RecipeError
+from workbench.memory import estimate
+from workbench.strategies import (DDP, FSDP, FSDP_HYBRID, FSDP_OFFLOAD, SINGLE, ZERO1, ZERO2, ZERO3, ZERO3_OFFLOAD,
+                                  Layout, by_name, candidates, layout_of, resolve)
+
+RECIPE = "recipes/tiny.yaml"
+
+
+def tiny(*overrides):
+    return Recipe.load(RECIPE, list(overrides))
+
+
+@pytest.mark.parametrize("layout, shards, offloads", [
+    (SINGLE, (), ()), (DDP, (), ()), (ZERO1, ("optimizer",), ()), (ZERO2, ("optimizer", "gradients"), ()),
+    (ZERO3, ("weights", "adapter", "gradients", "optimizer"), ()),
+    (FSDP, ("weights", "adapter", "gradients", "optimizer"), ()),
+    (FSDP_OFFLOAD, ("weights", "adapter", "gradients", "optimizer"), ("weights", "adapter", "gradients", "optimizer")),
+    (ZERO3_OFFLOAD, ("weights", "adapter", "gradients", "optimizer"), ("optimizer", "weights", "adapter", "gradients")),
+])
+def test_each_layout_says_what_it_shards_and_offloads(layout, shards, offloads):
+    assert layout.shards == shards and layout.offloads == offloads
+    assert by_name(layout.name) == layout if layout != SINGLE else True
+    assert Layout.from_json(layout.to_json()) == layout
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["distributed.strategy=ddp"], DDP),
+    (["distributed.strategy=deepspeed", "distributed.deepspeed.stage=1"], ZERO1),
+    (["distributed.strategy=deepspeed", "distributed.deepspeed.stage=3", "distributed.deepspeed.offload_params=cpu",
+      "distributed.deepspeed.offload_optimizer=cpu"], ZERO3_OFFLOAD),
+    (["distributed.strategy=fsdp", "distributed.fsdp.sharding=hybrid"], FSDP_HYBRID),
+    (["distributed.strategy=fsdp", "distributed.fsdp.cpu_offload=true"], FSDP_OFFLOAD),
+])
+def test_a_named_strategy_runs_the_layout_its_settings_describe(overrides, expected):
+    recipe, layout, why = resolve(tiny(*overrides), 2)
+    assert layout == expected and why == "set in the recipe"
+    assert layout_of(recipe, 2) == expected  # the resolved recipe carries the layout's settings
+
+
+def test_a_deepspeed_json_decides_the_layout(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
+    recipe = tiny("distributed.strategy=deepspeed", f"distributed.deepspeed.config_file={config}")
+    assert layout_of(recipe, 2) == Layout("deepspeed", 3, offload_optimizer=True)
+
+
+def memory_between(recipe, world, smaller: str, larger: str) -> int:
+    """A machine memory in which `smaller`'s processes fit and `larger`'s do not (CPU: all processes share it)."""
+    rows = {s["name"]: s["cpu_bytes"] for s in estimate(recipe, world_size=world, device="cpu").strategies}
+    assert rows[smaller] < rows[larger]
+    return (rows[smaller] + rows[larger]) // 2
+
+
+def test_auto_runs_the_complete_layout_it_chose():
+    """Where no replica fits, auto resolves to a sharded layout, and the recipe it returns builds exactly that
+    (the stage and sharding, not the recipe's own deepspeed/fsdp defaults)."""
+    recipe = tiny()
+    memory = memory_between(recipe, 2, "fsdp", "zero2")
+    resolved, layout, why = resolve(recipe.override(distributed__device_memory=memory), 2)
+    assert layout == FSDP and why.startswith("auto: fsdp is the first layout that fits")
+    assert layout_of(resolved, 2) == FSDP and resolved.distributed.strategy == "fsdp"
+
+
+def test_auto_skips_the_layouts_the_recipe_cannot_run_and_says_so():
+    """QLoRA with uint8 storage cannot be sharded: auto must not pick FSDP or ZeRO-3 for it."""
+    recipe = tiny("adapter.method=qlora", "model.dtype=float32", "training.mixed_precision=no")
+    rows = {s["name"]: s["cpu_bytes"] for s in estimate(recipe, world_size=2, device="cpu").strategies}
+    memory = (rows["fsdp"] + rows["zero2"]) // 2  # only a sharded layout fits ...
+    with pytest.raises(RecipeError, match=r"auto found no layout that fits .*\(fsdp, zero3.* not allowed"):
+        resolve(recipe.override(distributed__device_memory=memory), 2)
+    roomy = recipe.override(distributed__device_memory=rows["ddp"] * 2)  # ... and with room, a replica
+    assert resolve(roomy, 2)[1] == DDP
+
+
+def test_compatibility_is_checked_on_the_resolved_layout(tmp_path):
+    """A named strategy is refused at validation; a DeepSpeed JSON that says stage 3 when the layout resolves."""
+    with pytest.raises(RecipeError, match="quantization.quant_storage: sharding 4-bit weights"):
+        tiny("adapter.method=qlora", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3}}')
+    recipe = tiny("adapter.method=qlora", "distributed.strategy=deepspeed",
+                  f"distributed.deepspeed.config_file={config}")  # valid on its own ...
+    with pytest.raises(RecipeError, match=r"quantization.quant_storage: .* \(layout zero3: set in the recipe\)"):
+        resolve(recipe, 2)  # ... refused for the layout it runs
+
+
+def test_the_estimator_and_auto_consider_the_same_layouts():
+    names = [s["name"] for s in estimate(tiny(), world_size=4, nodes=2, device="cpu").strategies]
+    assert names == [layout.name for layout in candidates(4, 2)]
+    assert "fsdp_hybrid" in names and names[0] == "ddp"
+
+
+@pytest.mark.parametrize("value", ["lots", "-3GB", "0"])
+def test_a_bad_device_memory_names_the_field(value):
+    with pytest.raises(RecipeError, match="distributed.device_memory: device memory"):
+        tiny(f"distributed.device_memory={value}")

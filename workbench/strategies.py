@@ -1,0 +1,206 @@
+"""Every distributed layout the workbench runs, in one place.
+
+A layout is a complete answer to "how do the processes share the work": the recipe's strategy word
+(single, ddp, fsdp, deepspeed) plus the settings that change what each process holds (ZeRO stage,
+offload, full or hybrid sharding). The memory estimator reads which parts a layout shards or offloads,
+the compatibility rules and `auto` resolve to a layout, the accelerator is built from it
+(workbench/distributed.py) and checkpoints record it (workbench/checkpoints.py). Adding a layout
+touches this module, its plugin builder and the recipe schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import RecipeError
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+PARTS = ("weights", "adapter", "gradients", "optimizer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str  # the recipe's distributed.strategy word
+    stage: int = 0  # ZeRO stage (deepspeed)
+    hybrid: bool = False  # fsdp: shard within a machine, replicate across machines
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def name(self) -> str:
+        """The name the estimator, run.json and the docs use: ddp, zero2_offload, fsdp_hybrid, ..."""
+        if self.strategy == "deepspeed":
+            return f"zero{self.stage}" + ("_offload" if self.offload_optimizer or self.offload_params else "")
+        if self.strategy == "fsdp":
+            return "fsdp" + ("_hybrid" if self.hybrid else "") + ("_offload" if self.offload_params else "")
+        return self.strategy
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The parts of a training process split across the processes (of one machine, when hybrid)."""
+        if self.strategy == "fsdp" or self.stage == 3:
+            return PARTS
+        return {1: ("optimizer",), 2: ("optimizer", "gradients")}.get(self.stage, ())
+
+    @property
+    def offloads(self) -> tuple[str, ...]:
+        """The parts kept in CPU memory instead of the device's."""
+        if self.strategy == "fsdp":  # FSDP2's offload policy moves parameters, gradients and the optimizer
+            return PARTS if self.offload_params else ()
+        parts = ("optimizer",) if self.offload_optimizer else ()
+        return parts + (("weights", "adapter", "gradients") if self.offload_params else ())
+
+    @property
+    def shards_weights(self) -> bool:
+        return "weights" in self.shards
+
+    @property
+    def distributed_types(self) -> frozenset[str]:
+        """Accelerate's DistributedType names this layout may come up as (anything else is a silent fallback)."""
+        return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
+                          "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"}}[self.strategy])
+
+    @property
+    def engine_checkpoint(self) -> str:
+        """Who writes the checkpoint's model and optimizer files: accelerate for a replica, the engine otherwise."""
+        return {"fsdp": "fsdp", "deepspeed": "deepspeed"}.get(self.strategy, "replica")
+
+    def settings(self) -> dict:
+        """The recipe fields (as overrides) that make a recipe run this layout."""
+        values: dict = {"distributed.strategy": self.strategy}
+        if self.strategy == "deepspeed":
+            values.update({"distributed.deepspeed.stage": self.stage,
+                           "distributed.deepspeed.offload_optimizer": "cpu" if self.offload_optimizer else "none",
+                           "distributed.deepspeed.offload_params": "cpu" if self.offload_params else "none"})
+        if self.strategy == "fsdp":
+            values.update({"distributed.fsdp.sharding": "hybrid" if self.hybrid else "full",
+                           "distributed.fsdp.cpu_offload": self.offload_params})
+        return values
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "strategy": self.strategy, "stage": self.stage, "hybrid": self.hybrid,
+                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params,
+                "shards": list(self.shards), "offloads": list(self.offloads)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        return cls(data["strategy"], int(data.get("stage", 0)), bool(data.get("hybrid")),
+                   bool(data.get("offload_optimizer")), bool(data.get("offload_params")))
+
+
+SINGLE, DDP = Layout("single"), Layout("ddp")
+ZERO1, ZERO2, ZERO3 = (Layout("deepspeed", stage) for stage in (1, 2, 3))
+FSDP, FSDP_HYBRID = Layout("fsdp"), Layout("fsdp", hybrid=True)
+FSDP_OFFLOAD = Layout("fsdp", offload_params=True)
+ZERO2_OFFLOAD = Layout("deepspeed", 2, offload_optimizer=True)
+ZERO3_OFFLOAD = Layout("deepspeed", 3, offload_optimizer=True, offload_params=True)
+
+
+def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
+    """The layouts `auto` and the estimator consider, in order of preference: least communication and
+    host traffic first."""
+    layouts = [SINGLE if world_size == 1 else DDP, ZERO1, ZERO2]
+    layouts += [FSDP_HYBRID] if nodes > 1 else []
+    return layouts + [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+
+
+def by_name(name: str) -> Layout:
+    for layout in candidates(2, 2):
+        if layout.name == name:
+            return layout
+    raise RecipeError(f"distributed: unknown layout {name!r} (known: "
+                      f"{', '.join(l.name for l in [SINGLE, *candidates(2, 2)])})")
+
+
+def layout_of(recipe: "Recipe", world_size: int) -> Layout:
+    """The layout a recipe whose strategy is not `auto` runs on `world_size` processes."""
+    dist = recipe.distributed
+    if world_size == 1:
+        if dist.strategy in ("fsdp", "deepspeed"):
+            raise RecipeError(
+                f"distributed.strategy: {dist.strategy} shards across processes, but this run has one process; "
+                "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
+            )
+        return SINGLE
+    if dist.strategy == "deepspeed":
+        ds = dist.deepspeed
+        stage, offload_optimizer, offload_params = ds.stage, ds.offload_optimizer == "cpu", ds.offload_params == "cpu"
+        if ds.config_file:  # the user's own DeepSpeed JSON decides what each process holds
+            zero = _read_json(ds.config_file).get("zero_optimization", {})
+            stage = int(zero.get("stage", 0))
+            offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+            offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+        return Layout("deepspeed", stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
+    if dist.strategy == "fsdp":
+        return Layout("fsdp", hybrid=dist.fsdp.sharding == "hybrid", offload_params=dist.fsdp.cpu_offload)
+    return DDP  # ddp, or single asked of several processes: each a full replica
+
+
+def resolve(recipe: "Recipe", world_size: int, nodes: int = 1, device_memory: int | str | None = None
+            ) -> tuple["Recipe", Layout, str]:
+    """The recipe set to run one complete layout on `world_size` processes, the layout, and why.
+
+    `auto` asks the memory estimator for the first layout, in order of preference, that fits on the
+    device and that the compatibility rules allow for this recipe. The returned recipe carries the
+    layout's settings, so the accelerator that is built runs exactly what was chosen.
+    """
+    from .compat import layout_problem
+
+    if world_size == 1 or recipe.distributed.strategy != "auto":
+        layout = layout_of(recipe, world_size)
+        why = "one process" if world_size == 1 else "set in the recipe"
+    else:
+        layout, why = _choose(recipe, world_size, nodes, device_memory)
+    problem = layout_problem(recipe, layout)
+    if problem:
+        raise RecipeError(f"{problem} (layout {layout.name}: {why})")
+    if recipe.distributed.deepspeed.config_file and layout.strategy == "deepspeed":
+        return recipe, layout, why  # the user's JSON stays as written
+    return recipe.override(**{k.replace(".", "__"): v for k, v in layout.settings().items()}), layout, why
+
+
+def _choose(recipe: "Recipe", world_size: int, nodes: int, device_memory) -> tuple[Layout, str]:
+    from .compat import layout_problem
+    from .memory import estimate
+
+    memory = device_memory if device_memory is not None else recipe.distributed.device_memory
+    est = estimate(recipe, world_size=world_size, nodes=nodes, device=None, device_memory=memory)
+    memory = est.device["memory_bytes"]
+    on_cpu = est.device["kind"] == "cpu"  # on a CPU every process of the machine shares its memory
+    refused = []
+    for row in est.strategies:
+        layout = by_name(row["name"]) if row["name"] != "single" else DDP
+        problem = layout_problem(recipe, layout)
+        if problem:
+            refused.append(layout.name)
+            continue
+        if row["fits"]:
+            need = row["cpu_bytes"] if on_cpu else row["per_device_bytes"]
+            skipped = f"; {', '.join(refused)} not allowed for this recipe" if refused else ""
+            return layout, (f"auto: {layout.name} is the first layout that fits ({need / 2**30:.2f} of "
+                            f"{memory / 2**30:.2f} GiB {'on this machine' if on_cpu else 'per device'}{skipped})")
+    not_allowed = f" ({', '.join(refused)} not allowed for this recipe)" if refused else ""
+    raise RecipeError(
+        f"distributed.strategy: auto found no layout that fits this recipe on {world_size} x {est.device['name']} "
+        f"({memory / 2**30:.2f} GiB){not_allowed}; see `workbench estimate` for each layout's memory, "
+        "set distributed.device_memory, or name a strategy"
+    )
+
+
+def nodes_from_env() -> int:
+    """Machines in this launch (`workbench launch --nnodes` sets NUM_NODES)."""
+    value = os.environ.get("NUM_NODES", "1").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def _read_json(path) -> dict:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as err:
+        raise RecipeError(f"distributed.deepspeed.config_file: cannot read {path}: {err}") from None
