@@ -99,3 +99,21 @@ def test_the_estimator_and_auto_consider_the_same_layouts():
 def test_a_bad_device_memory_names_the_field(value):
     with pytest.raises(RecipeError, match="distributed.device_memory: device memory"):
         tiny(f"distributed.device_memory={value}")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("distributed.timeout_s=0", "distributed.timeout_s: Input should be greater than or equal to 1"),
+    ("distributed.timeout_s=1e-9", "distributed.timeout_s: Input should be greater than or equal to 1"),
+    ("distributed.timeout_s=true", "distributed.timeout_s: expected a number of seconds"),
+    ("distributed.startup_timeout_s=1e300", "distributed.startup_timeout_s: Input should be less than or equal"),
+    ("distributed.device_memory=.inf", "distributed.device_memory: device memory: cannot read"),
+    ("distributed.device_memory=0.5", "distributed.device_memory: device memory: 0.5 is 0 bytes"),
+])
+def test_bad_distributed_limits_name_the_field(override, message):
+    with pytest.raises(RecipeError, match=message):
+        tiny(override)
+
+
+def test_estimate_plans_for_the_recipes_device_memory():
+    est = estimate(tiny("distributed.device_memory=3GiB"), world_size=2, device="cpu")
+    assert est.device["memory_bytes"] == 3 * 2**30

@@ -230,7 +230,8 @@ def test_a_checkpoint_resumes_on_another_process_count_or_layout(resumed, source
 def test_a_pair_that_cannot_resume_is_refused_naming_both_layouts(resumed):
     root, refused = resumed
     message = refused.get(str(root / "single-lora-ga2-on-zero2"), "")
-    assert "written by single on 1 process(es) and this run is zero2 on 2 process(es)" in message, refused
+    assert ("written by single on 1 process(es) with micro-batch 2 and this run is zero2 on 2 process(es) with "
+            "micro-batch 1") in message, refused
     assert "a DeepSpeed engine loads only its own ZeRO partitions" in message
 
 

@@ -16,8 +16,10 @@ the copy that applies or refuses, naming both layouts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,13 +34,23 @@ PORTABLE_TENSORS, PORTABLE_META = "portable.safetensors", "portable.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
 
 
-def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, micro_batch: int,
+@dataclass
+class ResumePlan:
+    """How a checkpoint continues in this run, decided (and its files checked) before anything is written."""
+
+    path: Path
+    how: str  # "exact": the engine's own files; "portable": the portable copy, re-sharded for this layout
+    meta: dict
+    portable: dict | None = None  # portable.json, for the portable path
+
+
+def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, batch: tuple[int, int],
          keep_last: int) -> None:
-    """The full training state, staged under a temporary name and renamed into place when complete."""
+    """The full training state, staged under a temporary name and renamed into place when complete.
+    batch: (micro_batch_size, grad_accum) of this run."""
+    micro_batch, grad_accum = batch
     staging = run.staging_checkpoint(progress.step)
-    # DeepSpeed writes its own engine checkpoint: keep the frozen base weights out of it too.
-    extra = {"exclude_frozen_parameters": True} if layout.strategy == "deepspeed" else {}
-    accelerator.save_state(str(staging), safe_serialization=True, **extra)
+    accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
     portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
     _pause_for_crash_tests(progress.step)
     accelerator.wait_for_everyone()
@@ -51,46 +63,100 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
                 "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
         write_json_atomic(staging / META, {"step": progress.step, "layout": layout.to_json(),
                                            "world_size": accelerator.num_processes, "micro_batch_size": micro_batch,
-                                           "portable": portable is not None})
+                                           "grad_accum": grad_accum, "portable": portable is not None})
         run.publish_checkpoint(progress.step, keep_last)
     accelerator.wait_for_everyone()
 
 
-def load(accelerator, path: Path, layout: Layout, model, optimizer, scheduler, progress, micro_batch: int) -> str:
-    """Restore the state saved at `path` into this run's layout; returns how ("exact" or "portable")."""
+def plan_resume(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
+                model) -> ResumePlan:
+    """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
+    that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""
     meta = read_meta(path)
-    written = Layout.from_json(meta["layout"]) if meta.get("layout") else None
-    if written == layout and meta.get("world_size") == accelerator.num_processes:
-        # checkpoints hold trainable weights only; DeepSpeed names the same option its own way
-        strict = {"load_module_strict": False} if layout.strategy == "deepspeed" else {"strict": False}
-        accelerator.load_state(str(path), **strict)
-        return "exact"
-    where = f"{written.name} on {meta.get('world_size')} process(es)" if written else "an unrecorded layout"
-    here = f"{layout.name} on {accelerator.num_processes} process(es)"
+    if "layout" not in meta:  # written before checkpoints recorded their layout: as then, the engine's files
+        return ResumePlan(path, "exact", {**meta, "layout": layout.to_json()})
+    written = Layout.from_json(meta["layout"])
+    where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
+    here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
+    if (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch):
+        return ResumePlan(path, "exact", meta)
     problem = portable_problem(meta, layout)
     if problem:
         raise WorkbenchError(f"--resume: checkpoint {path.name} was written by {where} and this run is {here}: "
                              f"{problem}")
-    _load_portable(accelerator, path, model, optimizer, scheduler, progress, micro_batch, where, here)
-    return "portable"
+    portable = _read_portable(path, model)
+    samples, per_step = int(portable["samples_in_epoch"]), micro_batch * world_size
+    if samples % per_step and samples < samples_per_epoch:
+        raise WorkbenchError(
+            f"--resume: checkpoint {path.name} ({where}) stopped {samples} samples into its epoch, which {here} "
+            f"cannot continue from exactly ({per_step} samples a micro-batch over all processes); resume on "
+            "the process count that wrote it, or with a micro-batch that divides that count")
+    return ResumePlan(path, "portable", meta, portable)
+
+
+def load(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, micro_batch: int) -> str:
+    """Restore the planned checkpoint into this run; returns how ("exact" or "portable")."""
+    if plan.how == "exact":
+        accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
+    else:
+        _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
+    return plan.how
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:
     """Why a checkpoint written on one layout cannot continue on `layout` (None: it can)."""
     if not meta.get("portable"):
-        return ("it holds only its engine's own files (a full fine-tuning checkpoint, or one from an older "
-                "version); resume it on the layout and process count that wrote it")
-    if layout.strategy == "deepspeed":
+        return ("it holds only its engine's own files (a full fine-tuning checkpoint, or one written by a "
+                "bitsandbytes optimizer); resume it on the layout, process count and micro-batch that wrote it")
+    if not layout.loads_portable_state:
         return ("a DeepSpeed engine loads only its own ZeRO partitions; resume on single, ddp or fsdp, or on the "
-                "layout and process count that wrote it")
+                "layout, process count and micro-batch that wrote it")
     return None
 
 
 def read_meta(path: Path) -> dict:
+    """workbench_checkpoint.json, checked: a checkpoint without a readable one is damaged."""
     try:
-        return json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+        meta = json.loads((path / META).read_text())
+        meta["step"] = int(meta["step"])
+        if "layout" in meta or len(meta) > 1:
+            meta["world_size"], meta["micro_batch_size"] = int(meta["world_size"]), int(meta["micro_batch_size"])
+            Layout.from_json(meta["layout"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise WorkbenchError(f"--resume: checkpoint {path} is damaged ({META}: {type(err).__name__}: {err}); "
+                             "delete it to resume from the one before") from None
+
+
+def _layout_of(plan: ResumePlan) -> Layout:
+    return Layout.from_json(plan.meta["layout"])
+
+
+def _read_portable(path: Path, model) -> dict:
+    """portable.json, after checking that it and portable.safetensors hold every trainable weight's tensors in
+    this model's shapes."""
+    from safetensors import safe_open
+
+    damaged = f"--resume: checkpoint {path} is damaged"
+    try:
+        portable = json.loads((path / PORTABLE_META).read_text())
+        for key in ("progress", "scheduler", "adam_step", "samples_in_epoch"):
+            portable[key]  # noqa: B018  present
+        int(portable["samples_in_epoch"]), float(portable["adam_step"])
+        with safe_open(str(path / PORTABLE_TENSORS), framework="pt") as tensors:
+            shapes = {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}
+    except Exception as err:  # noqa: BLE001  any unreadable part: one message
+        raise WorkbenchError(f"{damaged} ({PORTABLE_META} / {PORTABLE_TENSORS}: {type(err).__name__}: {err}); "
+                             "delete it to resume from the one before") from None
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        for kind in ("weight", *MOMENTS):
+            if shapes.get(f"{kind}/{name}") != tuple(param.shape):
+                raise WorkbenchError(f"{damaged}: {PORTABLE_TENSORS} has no {kind} of shape {tuple(param.shape)} "
+                                     f"for {name} (found {shapes.get(f'{kind}/{name}')}); delete it to resume from "
+                                     "the one before, or resume with the adapter settings that wrote it")
+    return portable
 
 
 # -- the portable copy ----------------------------------------------------------------------------
@@ -104,10 +170,10 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
     named = [(name, p) for name, p in unwrapped.named_parameters() if p.requires_grad]
     if not named or not any(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters() if not p.requires_grad):
         return None  # full fine-tuning: nothing frozen (ZeRO-3 keeps a parameter's size in ds_numel)
-    if layout.strategy != "deepspeed" and not isinstance(_torch_optimizer(optimizer), torch.optim.AdamW):
+    if not layout.gathers_through_deepspeed and not isinstance(_torch_optimizer(optimizer), torch.optim.AdamW):
         return None  # a bitsandbytes optimizer keeps quantized states of its own (DeepSpeed runs AdamW only)
     tensors: dict[str, torch.Tensor] = {}
-    if layout.strategy == "deepspeed":
+    if layout.gathers_through_deepspeed:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         for name, param in named:  # collectives: every rank, same order
@@ -133,21 +199,16 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
     return tensors
 
 
-def _load_portable(accelerator, path: Path, model, optimizer, scheduler, progress, micro_batch: int,
-                   where: str, here: str) -> None:
+def _load_portable(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, micro_batch: int) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    meta = json.loads((path / PORTABLE_META).read_text())
-    tensors = load_file(str(path / PORTABLE_TENSORS))
+    meta = plan.portable
+    tensors = load_file(str(plan.path / PORTABLE_TENSORS))
     unwrapped = accelerator.unwrap_model(model)
     options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
-    weights = {k.removeprefix("weight/"): v for k, v in tensors.items() if k.startswith("weight/")}
-    trainable = {name for name, p in unwrapped.named_parameters() if p.requires_grad}
-    if set(weights) != trainable:
-        raise WorkbenchError(f"--resume: checkpoint {path.name} ({where}) holds other trainable weights than this "
-                             f"run ({here}): {sorted(set(weights) ^ trainable)[:3]}")
-    set_model_state_dict(unwrapped, weights, options=options)
+    trainable = [name for name, p in unwrapped.named_parameters() if p.requires_grad]
+    set_model_state_dict(unwrapped, {name: tensors[f"weight/{name}"] for name in trainable}, options=options)
     torch_optimizer = _torch_optimizer(optimizer)
     # this optimizer's own full state (created if it has none yet), then the saved moments put in it
     state_dict = get_optimizer_state_dict(unwrapped, torch_optimizer, options=options)
@@ -159,14 +220,10 @@ def _load_portable(accelerator, path: Path, model, optimizer, scheduler, progres
     for group, lr in zip(torch_optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the rate of the saved step (the optimizer's own groups were created fresh)
     progress.load_state_dict(meta["progress"])
-    # the loop's place in the epoch, counted in samples: the same samples come next at any process count
+    # the loop's place in the epoch, counted in samples: the same samples come next at any process count (an
+    # epoch that ended on a short step is skipped whole, and the loop starts the next)
     per_step = micro_batch * accelerator.num_processes
-    samples = int(meta["samples_in_epoch"])
-    if samples % per_step:
-        raise WorkbenchError(f"--resume: checkpoint {path.name} ({where}) stopped {samples} samples into its epoch, "
-                             f"which {here} with micro-batch {micro_batch} cannot continue from exactly; keep the "
-                             "micro-batch size times the process count a divisor of it")
-    progress.batches_in_epoch = samples // per_step
+    progress.batches_in_epoch = math.ceil(int(meta["samples_in_epoch"]) / per_step)
 
 
 def _torch_optimizer(optimizer):

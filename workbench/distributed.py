@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -91,6 +91,16 @@ def collective_timeout(seconds: float) -> None:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         _set_pg_timeout(timedelta(seconds=seconds))
+
+
+@contextmanager
+def patience(seconds: float, then: float):
+    """A longer limit while one rank works alone and the others wait (rank 0 writing a checkpoint)."""
+    collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        collective_timeout(then)
 
 
 def accumulation_boundary(accelerator, model, last: bool):
@@ -249,8 +259,10 @@ class Heartbeat:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.store = _launch_store() if self.world > 1 else None
         self.host = socket.gethostname()
-        if self.store is not None:
+        self.in_loop = False  # set once the loop starts: the limit in force is then distributed.timeout_s
+        if self.store is not None:  # written afresh by every run: a second run in the process reads no stale step
             self.store.set(f"workbench/pid/{self.rank}", f"{self.host} {os.getpid()}")
+            self.store.set(f"workbench/step/{self.rank}", "0")
 
     def beat(self, step: int) -> None:
         if self.store is not None:
@@ -273,22 +285,41 @@ class Heartbeat:
                 gone.append(f"rank {rank} (pid {pid}) exited")
                 continue
             done = self._get(f"workbench/step/{rank}")
-            if done is None or int(done) < step:
-                behind.append(f"rank {rank} stopped answering after step {done or 0}")
+            if done is not None and int(done) < step:
+                behind.append(f"rank {rank} stopped answering after step {done}")
         return "; ".join(gone + behind) or "another rank failed or stalls"
 
 
-def collective_failure(err: BaseException, heartbeat: Heartbeat, step: int, timeout_s: float) -> WorkbenchError | None:
-    """A failed or stalled collective as one error naming this rank, the step and the other ranks' state; None
-    when `err` is something else."""
-    text = f"{type(err).__name__}: {err}"
-    if heartbeat.world < 2 or not isinstance(err, RuntimeError) or not any(sign in text for sign in COLLECTIVE_SIGNS):
+def collective_failure(err: BaseException, heartbeat: Heartbeat, step: int, limits: tuple[float, float],
+                       checkpoint: str | None) -> WorkbenchError | None:
+    """A collective that failed (a peer died) or outwaited its limit, as one error naming this rank, the step and
+    the other ranks' state; None when `err` did not come out of a collective.
+    limits: (startup_timeout_s, timeout_s); checkpoint: the last complete one's name, if any."""
+    if heartbeat.world < 2 or not isinstance(err, RuntimeError) or not _raised_in_collective(err):
         return None
+    limit = (f"distributed.timeout_s={limits[1]:g} s" if heartbeat.in_loop
+             else f"distributed.startup_timeout_s={limits[0]:g} s")
     first_line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    then = (f"The last complete checkpoint, {checkpoint}, stays usable: run the same command with --resume"
+            if checkpoint else "No checkpoint was complete yet")
+    when = f"after step {step}" if step else "before the first step"
     return WorkbenchError(
-        f"rank {heartbeat.rank} of {heartbeat.world}: a collective after step {step} failed or waited longer than "
-        f"distributed.timeout_s={timeout_s:g} s: {heartbeat.others(step)} ({first_line}). The last complete "
-        "checkpoint stays usable: run the same command with --resume")
+        f"rank {heartbeat.rank} of {heartbeat.world}: a collective {when} failed or waited longer than {limit}: "
+        f"{heartbeat.others(step)} ({first_line}). {then}")
+
+
+def _raised_in_collective(err: BaseException) -> bool:
+    """Whether the error came out of torch.distributed (or DeepSpeed's comm layer over it): its traceback runs
+    through their code. A RuntimeError that merely mentions a timeout elsewhere is left alone."""
+    if isinstance(err, getattr(torch.distributed, "DistError", ())):
+        return True
+    frame = err.__traceback__
+    while frame is not None:
+        name = frame.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in name or "/deepspeed/comm/" in name:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -299,11 +330,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
-# what gloo, NCCL and torch's store say when a peer died or stalls
-COLLECTIVE_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe",
-                    "DistBackendError", "DistNetworkError", "NCCL", "ProcessGroupGloo", "gloo")
 
 
 def _launch_store():

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
         raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
                           f"{what[:-1]} at most")
     env = {**os.environ, **plan.env}
+    started = time.time()
     # stderr passes through a reader that also watches for the launcher's rendezvous failures
     process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     watcher = _RendezvousWatcher(process.stderr)
@@ -107,7 +109,7 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         watcher.join()
-    if code and watcher.failed and plan.nnodes > 1:
+    if code and watcher.failed and plan.nnodes > 1 and not _training_started(plan, started):
         raise WorkbenchError(
             f"the {plan.nnodes} machines did not find each other within distributed.startup_timeout_s="
             f"{plan.startup_timeout_s:g} s at --master {plan.master} ({watcher.failed}); start the same "
@@ -115,11 +117,19 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     return code
 
 
+def _training_started(plan: LaunchPlan, since: float) -> bool:
+    """Whether the ranks got as far as the run directory (so a later failure is not a rendezvous one)."""
+    run_json = plan.run_dir / "run.json" if plan.run_dir is not None else None
+    try:
+        return run_json is not None and run_json.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
 class _RendezvousWatcher(threading.Thread):
     """Copies the launch's stderr to ours, remembering a rendezvous timeout or refused connection."""
 
-    SIGNS = ("waiting for clients", "DistStoreError", "DistNetworkError", "Connection refused",
-             "failed to connect", "Timed out after")
+    SIGNS = ("waiting for clients", "DistStoreError", "failed to connect", "Connection refused")
 
     def __init__(self, stream):
         super().__init__(daemon=True)

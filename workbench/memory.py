@@ -111,7 +111,7 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     """Memory per device for each strategy, the recommended one, and predicted throughput and cost."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise RecipeError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
-    dev = get_device(device, device_memory)
+    dev = get_device(device, device_memory if device_memory is not None else recipe.distributed.device_memory)
     # the same `auto` precision a run on that device would resolve (workbench/precision.py)
     recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
     info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)

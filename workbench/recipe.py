@@ -139,6 +139,9 @@ class DeepSpeedSection(Section):
     config_file: str | None = Field(None, description="a DeepSpeed JSON used instead of the generated one.")
 
 
+WEEK_S = 7 * 24 * 3600  # longer limits overflow torch's timedelta arithmetic
+
+
 class DistributedSection(Section):
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = Field(
         "auto", description="auto chooses from the world size and the memory estimate."
@@ -146,10 +149,11 @@ class DistributedSection(Section):
     device_memory: str | None = Field(
         None, description="memory per device that auto plans for (e.g. 40GB); default: the device's own.")
     timeout_s: float = Field(
-        60, gt=0, description="seconds a collective may wait for the other processes before the run stops, "
-                              "naming the step and the processes that did not answer.")
+        60, ge=1, le=WEEK_S, description="seconds a collective may wait for the other processes before the run "
+                                         "stops, naming the step and the processes that did not answer.")
     startup_timeout_s: float = Field(
-        600, gt=0, description="seconds the processes may take to find each other and prepare the data.")
+        600, ge=1, le=WEEK_S, description="seconds the processes may take to find each other and prepare the "
+                                          "data (and rank 0 to write a checkpoint).")
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
 
@@ -161,10 +165,20 @@ class DistributedSection(Section):
         from .devices import parse_bytes
 
         try:
-            parse_bytes(value)
-        except WorkbenchError as err:
-            raise ValueError(str(err)) from None
+            size = parse_bytes(value)
+        except (WorkbenchError, ValueError, OverflowError) as err:
+            raise ValueError(str(err) if isinstance(err, WorkbenchError) else
+                             f"device memory: cannot read {value!r} (use bytes or e.g. 24GiB, 80GB)") from None
+        if size < 2**20:
+            raise ValueError(f"device memory: {value!r} is {size} bytes; give bytes or a unit, e.g. 24GiB")
         return str(value)
+
+    @field_validator("timeout_s", "startup_timeout_s", mode="before")
+    @classmethod
+    def _seconds_not_bool(cls, value):
+        if isinstance(value, bool):
+            raise ValueError("expected a number of seconds, got a boolean")
+        return value
 
 
 class OutputSection(Section):

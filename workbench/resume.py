@@ -57,15 +57,20 @@ BATCH_KEYS = ("training.micro_batch_size", "training.grad_accum")
 
 
 def _same_global_batch(saved: Recipe, new: Recipe, run: RunDir, world_size: int) -> bool:
-    """micro-batch x accumulation x processes unchanged: the run sees the same samples in each step."""
-    saved_world = run.read_json().get("summary", {}).get("world_size")
-    if not isinstance(saved_world, int):
-        return False
+    """micro-batch x accumulation x processes unchanged: the run sees the same samples in each step. The
+    checkpoint that continues says what wrote it (run.json for checkpoints that do not)."""
+    import json
 
-    def per_step(recipe, world):
-        return recipe.training.micro_batch_size * recipe.training.grad_accum * world
-
-    return per_step(saved, saved_world) == per_step(new, world_size)
+    latest = run.latest_checkpoint()
+    try:
+        meta = json.loads((latest[1] / "workbench_checkpoint.json").read_text()) if latest else {}
+        before = int(meta["micro_batch_size"]) * int(meta["grad_accum"]) * int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        saved_world = run.read_json().get("summary", {}).get("world_size")
+        if not isinstance(saved_world, int):
+            return False
+        before = saved.training.micro_batch_size * saved.training.grad_accum * saved_world
+    return before == new.training.micro_batch_size * new.training.grad_accum * world_size
 
 
 def _safe(key: str) -> bool:

@@ -65,10 +65,27 @@ class Layout:
         return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
                           "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"}}[self.strategy])
 
+    # -- checkpoints (workbench/checkpoints.py) --------------------------------------------------------
+
     @property
-    def engine_checkpoint(self) -> str:
-        """Who writes the checkpoint's model and optimizer files: accelerate for a replica, the engine otherwise."""
-        return {"fsdp": "fsdp", "deepspeed": "deepspeed"}.get(self.strategy, "replica")
+    def save_state_options(self) -> dict:
+        """For accelerator.save_state: DeepSpeed writes its own engine files, and must leave the frozen base out."""
+        return {"exclude_frozen_parameters": True} if self.strategy == "deepspeed" else {}
+
+    @property
+    def load_state_options(self) -> dict:
+        """For accelerator.load_state: checkpoints hold trainable weights only (DeepSpeed names it its own way)."""
+        return {"load_module_strict": False} if self.strategy == "deepspeed" else {"strict": False}
+
+    @property
+    def gathers_through_deepspeed(self) -> bool:
+        """Whole weights and optimizer moments come from DeepSpeed's fragments, not torch's state-dict API."""
+        return self.strategy == "deepspeed"
+
+    @property
+    def loads_portable_state(self) -> bool:
+        """Whether a checkpoint written on another layout or process count can be loaded into this one."""
+        return self.strategy != "deepspeed"  # a ZeRO engine loads only its own partitions
 
     def settings(self) -> dict:
         """The recipe fields (as overrides) that make a recipe run this layout."""
@@ -168,8 +185,7 @@ def _choose(recipe: "Recipe", world_size: int, nodes: int, device_memory) -> tup
     from .compat import layout_problem
     from .memory import estimate
 
-    memory = device_memory if device_memory is not None else recipe.distributed.device_memory
-    est = estimate(recipe, world_size=world_size, nodes=nodes, device=None, device_memory=memory)
+    est = estimate(recipe, world_size=world_size, nodes=nodes, device=None, device_memory=device_memory)
     memory = est.device["memory_bytes"]
     on_cpu = est.device["kind"] == "cpu"  # on a CPU every process of the machine shares its memory
     refused = []

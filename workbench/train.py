@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 
 from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
-                          configure_threads, local_parameter_elements, verify_launch, world_size_from_env)
+                          configure_threads, local_parameter_elements, patience, verify_launch,
+                          world_size_from_env)
 from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
 from .fastpath import apply_fast_paths
@@ -134,7 +135,10 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
             summary = _train(recipe, run, accelerator, resume, progress_bar, started, layout, stop, take_over,
                              tokenizer, model_config, state, heartbeat)
     except BaseException as err:
-        named = collective_failure(err, heartbeat, state.step, recipe.distributed.timeout_s)
+        latest = run.latest_checkpoint()
+        named = collective_failure(err, heartbeat, state.step, (recipe.distributed.startup_timeout_s,
+                                                                recipe.distributed.timeout_s),
+                                   latest[1].name if latest else None)
         if named is not None:
             err = named
         if main and taken:
@@ -148,6 +152,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
         # it on exit), as reopening one over the same launch store can hang
         for tracker in accelerator.trackers:
             tracker.finish()
+        collective_timeout(recipe.distributed.startup_timeout_s)  # the limit the group was opened with
         run.release()
     if main:
         summary = run.read_json()["summary"]  # with what was recorded at the start
@@ -198,6 +203,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     check_disk_space(recipe, trainable_params)
     flop_counter = FlopCounter(model, model.config)
     optimizer = build_optimizer(model, recipe)
+    latest = run.latest_checkpoint() if resume else None
+    plan = (checkpoints.plan_resume(latest[1], layout, accelerator.num_processes, cfg.micro_batch_size,
+                                    len(data.train), model) if latest else None)
     take_over(data.stats)  # everything checked: from here on the run directory is this run's
 
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -210,11 +218,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
     metrics = MetricsWriter(run.metrics, enabled=main)
-    if resume and (latest := run.latest_checkpoint()) is not None:
-        how = checkpoints.load(accelerator, latest[1], layout, model, optimizer, scheduler, state,
-                               cfg.micro_batch_size)
+    if plan is not None:
+        how = checkpoints.load(accelerator, plan, model, optimizer, scheduler, state, cfg.micro_batch_size)
         metrics.truncate_after(state.step)
-        accelerator.print(f"resumed from {latest[1]} at step {state.step} ({how})")
+        accelerator.print(f"resumed from {plan.path} at step {state.step} ({how})")
     elif main:
         metrics.truncate_after(0)
     if accelerator.trackers == [] and recipe.output.trackers:
@@ -252,6 +259,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     last_loss = None
     startup_s = time.perf_counter() - started  # what the user waits for before the first step
     collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
+    heartbeat.in_loop = True
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
     while state.step < total_steps:
         train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
@@ -329,8 +337,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
             if saved or signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
                 state.window = _window_totals(accelerator, window_loss, window_targets, window_tokens, window_start)
-                checkpoints.save(accelerator, run, layout, model, optimizer, scheduler, state, cfg.micro_batch_size,
-                                 recipe.output.keep_last)
+                with patience(recipe.distributed.startup_timeout_s, then=recipe.distributed.timeout_s):
+                    checkpoints.save(accelerator, run, layout, model, optimizer, scheduler, state,
+                                     (cfg.micro_batch_size, cfg.grad_accum), recipe.output.keep_last)
             if signum:
                 bar.close()
                 raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
@@ -344,6 +353,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
             state.batches_in_epoch = 0
     bar.close()
     loop_end = time.perf_counter()
+    collective_timeout(recipe.distributed.startup_timeout_s)  # rank 0 writes the adapter while the others wait
+    heartbeat.in_loop = False
 
     # -- the end: final eval, adapter, summary --------------------------------------------------
     eval_final = evaluate(model, eval_loader, accelerator, loss_sum_of) if eval_loader is not None else None

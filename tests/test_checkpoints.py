@@ -1,0 +1,134 @@
+"""Resuming through the portable copy in one process: another micro-batch split, an epoch that ended on a short
+step, damaged files (one clear error, nothing in the run touched), and which errors count as a peer's failure."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from workbench import Recipe, WorkbenchError, train
+from workbench.distributed import _raised_in_collective, collective_failure
+from workbench.runs import RunDir
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["model.dtype=float32", "training.mixed_precision=no", "data.eval=null", "output.eval_every=null",
+          "output.log_every=1"]
+
+
+def run(run_dir, *overrides, resume=False):
+    recipe = Recipe.load("recipes/tiny.yaml", [*COMMON, *overrides, f"output.dir={run_dir}"])
+    return train(recipe, resume=resume, overwrite=not resume, progress_bar=False).summary
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def interrupted_copy(source, target, keep_step: int):
+    shutil.copytree(source, target)
+    run_dir = RunDir(target)
+    for step, path in run_dir.complete_checkpoints():
+        if step > keep_step:
+            shutil.rmtree(path)
+    shutil.rmtree(target / "adapter")
+    run_dir.update_json(summary={"status": "running"})
+    return target
+
+
+def test_another_micro_batch_split_resumes_on_the_same_samples(tmp_path):
+    """1 x 4 -> 2 x 2 in the same layout: the exact files would skip the wrong batches; the portable copy does not."""
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=6", "output.save_every=3", "training.micro_batch_size=1", "training.grad_accum=4")
+    resumed = interrupted_copy(whole, tmp_path / "resumed", 3)
+    s = run(resumed, "training.max_steps=6", "output.save_every=3", "training.micro_batch_size=2",
+            "training.grad_accum=2", resume=True)
+    assert s["steps"] == 6
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+    assert RunDir(resumed).read_json()["summary"]["resume_changes"][-1]["changes"]["training.grad_accum"] == [4, 2]
+
+
+def test_a_checkpoint_at_an_epoch_ending_on_a_short_step_resumes_with_another_split(tmp_path):
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=40", "output.save_every=1000", "training.micro_batch_size=1",
+        "training.grad_accum=4")
+    rows = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    steps_per_epoch = sum(1 for r in rows if r.get("epoch") == 0 and "loss" in r)
+    total = steps_per_epoch + 2
+    run(whole, f"training.max_steps={total}", f"output.save_every={steps_per_epoch}", "training.micro_batch_size=1",
+        "training.grad_accum=4")
+    meta = json.loads((RunDir(whole).checkpoint(steps_per_epoch) / "portable.json").read_text())
+    assert meta["samples_in_epoch"] % 2, "the epoch must end on a short step for this test"
+    resumed = interrupted_copy(whole, tmp_path / "resumed", steps_per_epoch)
+    s = run(resumed, f"training.max_steps={total}", f"output.save_every={steps_per_epoch}",
+            "training.micro_batch_size=2", "training.grad_accum=2", resume=True)
+    assert s["steps"] == total and s["epochs_started"] == 2
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+
+
+def damage(checkpoint, how: str) -> None:
+    tensors_path, meta_path = checkpoint / "portable.safetensors", checkpoint / "portable.json"
+    if how == "no-json":
+        meta_path.unlink()
+    elif how == "truncated-json":
+        meta_path.write_text(meta_path.read_text()[:40])
+    elif how == "truncated-tensors":
+        tensors_path.write_bytes(tensors_path.read_bytes()[:200])
+    elif how == "missing-moment":
+        tensors = load_file(str(tensors_path))
+        tensors.pop(next(k for k in tensors if k.startswith("exp_avg_sq/")))
+        save_file(tensors, str(tensors_path))
+    elif how == "wrong-shape":
+        tensors = load_file(str(tensors_path))
+        key = next(k for k in tensors if k.startswith("exp_avg/"))
+        tensors[key] = tensors[key][:1].contiguous()
+        save_file(tensors, str(tensors_path))
+    elif how == "no-meta":
+        (checkpoint / "workbench_checkpoint.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["no-json", "truncated-json", "truncated-tensors", "missing-moment", "wrong-shape",
+                                 "no-meta"])
+def test_a_damaged_checkpoint_is_one_clear_error_and_leaves_the_run_as_it_was(tmp_path, how):
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=4", "output.save_every=2", "training.micro_batch_size=1", "training.grad_accum=4")
+    target = interrupted_copy(whole, tmp_path / "damaged", 2)
+    damage(RunDir(target).checkpoint(2), how)
+    before = {name: (target / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+    with pytest.raises(WorkbenchError, match=r"--resume: checkpoint .*step-2 is damaged.*delete it to resume"):
+        run(target, "training.max_steps=4", "output.save_every=2", "training.micro_batch_size=2",
+            "training.grad_accum=2", resume=True)
+    assert {name: (target / name).read_bytes() for name in before} == before
+
+
+def test_a_refused_pair_leaves_the_run_as_it_was(tmp_path):
+    """Another samples-per-step product is refused before anything is written (the recipe stays the run's)."""
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=4", "output.save_every=2", "training.micro_batch_size=1", "training.grad_accum=4")
+    target = interrupted_copy(whole, tmp_path / "target", 2)
+    before = (target / "recipe.yaml").read_bytes(), (target / "run.json").read_bytes()
+    with pytest.raises(WorkbenchError, match="training.grad_accum: 4 -> 1"):
+        run(target, "training.max_steps=4", "output.save_every=2", "training.micro_batch_size=2",
+            "training.grad_accum=1", resume=True)
+    assert ((target / "recipe.yaml").read_bytes(), (target / "run.json").read_bytes()) == before
+
+
+def heartbeat(in_loop=True):
+    return SimpleNamespace(rank=0, world=2, in_loop=in_loop, others=lambda step: "rank 1 (pid 7) exited")
+
+
+def test_only_errors_out_of_a_collective_are_a_peers_failure():
+    for message in ("DataLoader timed out after 30 seconds", "tokenizer download: Connection reset by peer",
+                    "ProcessGroupGloo does not support reduce_scatter"):
+        assert collective_failure(RuntimeError(message), heartbeat(), 5, (600, 60), "step-4") is None
+    backend_error = torch.distributed.DistBackendError("Connection closed by peer")
+    assert _raised_in_collective(backend_error)
+    named = collective_failure(backend_error, heartbeat(), 5, (600, 60), "step-4")
+    assert "rank 0 of 2: a collective after step 5 failed or waited longer than distributed.timeout_s=60 s: " \
+           "rank 1 (pid 7) exited" in str(named) and "step-4, stays usable" in str(named)
+    early = collective_failure(backend_error, heartbeat(in_loop=False), 0, (600, 60), None)
+    assert "before the first step" in str(early) and "startup_timeout_s=600 s" in str(early)
+    assert "No checkpoint was complete yet" in str(early)
