@@ -1,5 +1,4 @@
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.chdir(ROOT)  # recipes name their data relative to the project root
-# A suite started in the background of a script (`cmd &`) inherits SIGINT ignored, and so would the UI jobs
-# the tests start (a job ignores the UI's Stop until its CLI restores the handler). `workbench ui` restores it
-# for its own process, and so for its jobs; the tests that drive the UI's handlers in-process do the same.
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Tests that compare numbers between runs pin float32; tests that merely train keep the recipes' `auto`.
 FP32 = ("model.dtype=float32", "training.mixed_precision=no")
 
