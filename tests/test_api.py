@@ -37,6 +37,31 @@ def test_the_public_api_is_listed_typed_and_documented():
             assert not untyped, f"{name}: untyped parameters {untyped}"
 
 
+def test_importing_the_package_is_instant_and_changes_nothing():
+    """`import workbench` loads no heavy library and installs no warning filter; each name loads on first use
+    (with the libraries' import-time notes silenced for that import only), and `wb.train` stays the function
+    even once the module workbench/train.py has been imported."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys, warnings, types
+        before = list(warnings.filters)
+        import workbench as wb
+        assert not {"torch", "transformers", "pydantic"} & set(sys.modules), sorted(sys.modules)
+        assert warnings.filters == before, "import"
+        wb.Recipe, wb.estimate
+        assert warnings.filters == before, "first use"
+        import workbench.train
+        from workbench.train import check_same_data
+        assert isinstance(wb.train, types.FunctionType) and wb.train.__module__ == "workbench.train", wb.train
+        assert "train" in dir(wb) and wb.__all__ == sorted(wb.__all__)
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_train_returns_metrics_as_a_dataframe_and_shows_itself(two_runs):
     result = two_runs[1]
     assert isinstance(result, wb.TrainResult) and isinstance(result.metrics, pd.DataFrame)

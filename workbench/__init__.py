@@ -6,24 +6,52 @@
     result = wb.train(recipe)                  # in this process; wb.launch(recipe, nproc=2) for several
     result.plot()
     wb.compare(["runs/tiny", result])          # a DataFrame; wb.plot_compare(...) draws it
+
+Importing the package is instant and changes nothing in the process: each name loads its module (and
+torch, transformers, ...) on first use. The command line depends on that: `python -m workbench` takes
+Ctrl-C back before any heavy import, so a job started with SIGINT ignored can still be stopped at once.
 """
 
-from .quiet import quiet_warnings
+from __future__ import annotations
 
-quiet_warnings()
+import sys
+import types
 
-from .api import compare, launch, plot_compare  # noqa: E402
-from .errors import DataError, ModelError, RecipeError, WorkbenchError  # noqa: E402
-from .evaluation import evaluate  # noqa: E402
-from .export import generate, merge  # noqa: E402
-from .memory import Estimate, estimate  # noqa: E402
-from .recipe import Recipe  # noqa: E402
-from .runs import Run, TrainResult, list_runs, load_run  # noqa: E402
-from .train import train  # noqa: E402
-
-__all__ = [
-    "DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
-    "compare", "estimate", "evaluate", "generate", "launch", "list_runs", "load_run", "merge", "plot_compare",
-    "train",
-]
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_API = {
+    "DataError": "errors", "ModelError": "errors", "RecipeError": "errors", "WorkbenchError": "errors",
+    "compare": "api", "launch": "api", "plot_compare": "api",
+    "evaluate": "evaluation", "generate": "export", "merge": "export",
+    "Estimate": "memory", "estimate": "memory",
+    "Recipe": "recipe",
+    "Run": "runs", "TrainResult": "runs", "list_runs": "runs", "load_run": "runs",
+    "train": "train",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .quiet import import_quietly
+
+    value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule workbench/train.py binds it on the package; `wb.train` stays the function.
+        if name in _API and isinstance(value, types.ModuleType) and name == _API[name]:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import warnings
@@ -19,11 +20,22 @@ class _DropHarmless(logging.Filter):
 
 
 def quiet_warnings() -> None:
-    """Warning filters, set when workbench is imported (libraries warn as they are imported)."""
+    """Warning filters for known-harmless notes (libraries warn as they are imported): set for the command
+    line, and inside `warnings.catch_warnings()` when the Python API loads a module."""
     # tqdm in a notebook without ipywidgets: it falls back to a text bar, which is all we use
     warnings.filterwarnings("ignore", message="IProgress not found")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)\b")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
+def import_quietly(module: str):
+    """Import a module with the libraries' import-time notes silenced for this import only: the filters are
+    restored afterwards, so a notebook's own warning settings stay as they were."""
+    with warnings.catch_warnings():
+        quiet_warnings()
+        import tqdm.auto  # noqa: F401  (the libraries import it later, and it warns once, on first import)
+
+        return importlib.import_module(module)
 
 
 def quiet_libraries() -> None:
