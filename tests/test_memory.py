@@ -164,7 +164,8 @@ def test_json_shape():
     assert isinstance(data["recommended"], str)
     json.dumps(data)
     for s in data["strategies"]:
-        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown"}
+        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits"}
+        assert set(s["limits"]) == {"micro_batch_size", "max_seq_len"}
         assert set(s["breakdown"]) == BREAKDOWN
         assert all(isinstance(v, int) and v >= 0 for v in s["breakdown"].values())
         assert s["per_device_bytes"] == sum(s["breakdown"].values())
@@ -405,3 +406,35 @@ def test_the_cli_prints_the_documented_json(capsys):
     assert printed["recommended"] == "fsdp_offload"  # 70B QLoRA on 2 x 24 GB needs FSDP + CPU offload
     assert main(["estimate", "recipes/tiny.yaml", "--nodes", "2", "--world-size", "3"]) == 2
     assert "--nproc (3): must be a positive multiple of --nnodes (2)" in capsys.readouterr().err
+
+
+# -- the planner: what fits -------------------------------------------------------------------------
+
+
+def test_the_planner_finds_the_edge_of_what_fits():
+    """Each layout's largest micro-batch and longest sequence fit by the same estimate, one more (or a quarter
+    longer) does not: the figures a user reads before renting a card."""
+    recipe = big("meta-llama/Llama-3.1-8B", "adapter.method=qlora", "training.gradient_checkpointing=true")
+    est = estimate(recipe, device="rtx4090")
+    assert est.limits_at == {"micro_batch_size": 2, "max_seq_len": 2048}
+    for row in est.strategies:
+        limits = row["limits"]
+        assert limits["micro_batch_size"] >= 1 and 8 <= limits["max_seq_len"] <= 131072  # Llama-3.1's context
+
+        def fits(*overrides):
+            return by_name(estimate(recipe.override(*overrides), device="rtx4090"))[row["name"]]["fits"]
+
+        longest, largest = limits["max_seq_len"], limits["micro_batch_size"]
+        if longest < 131072:
+            assert fits(f"data.max_seq_len={longest}") and not fits(f"data.max_seq_len={math.ceil(longest * 1.25)}")
+            assert not fits(f"data.max_seq_len={longest + 1}")
+        assert fits(f"training.micro_batch_size={largest}") and not fits(f"training.micro_batch_size={largest + 1}")
+
+
+def test_the_planner_says_none_fits_and_stops_at_the_models_context():
+    tight = estimate(tiny("distributed.device_memory=1MiB"), device="cpu")
+    assert all(row["limits"] == {"micro_batch_size": 0, "max_seq_len": 0} for row in tight.strategies)
+    roomy = estimate(tiny(), device="cpu", device_memory="1TiB")
+    assert by_name(roomy)["single"]["limits"]["max_seq_len"] == describe_model("builtin:tiny").context
+    text = roomy.to_text()
+    assert "max batch" in text and "4,096+" in text  # the search's own cap, said as a floor

@@ -306,6 +306,7 @@ def test_estimate_with_the_real_estimator(h):
     pytest.importorskip("workbench.memory")
     fig, status, table = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 1, 1, "h100", None, None)
     assert "Recommended strategy:" in status and len(table) >= 3 and fig.axes
+    assert (table["max micro-batch"] >= 1).all() and (table["max seq len"] >= 8).all()  # the planner's figures
     _, status, _ = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 3, 2, "h100", None, None)
     assert "wb-error" in status  # 3 devices cannot be split over 2 nodes
 

@@ -161,6 +161,8 @@ class Handlers:
             "strategy": s["name"], "per device (GiB)": round(s.get("per_device_bytes", 0) / GIB, 3),
             "CPU RAM (GiB)": round((s.get("cpu_bytes") or 0) / GIB, 3), "fits": "yes" if s.get("fits") else "no",
             **{f"{k} (GiB)": round((v or 0) / GIB, 3) for k, v in (s.get("breakdown") or {}).items()},
+            "max micro-batch": (s.get("limits") or {}).get("micro_batch_size"),
+            "max seq len": (s.get("limits") or {}).get("max_seq_len"),
         } for s in data.get("strategies", [])])
         return fig, status_html("ok" if data.get("recommended") not in (None, "none") else "warn",
                                 "\n".join(_estimate_lines(data, capacity))), table

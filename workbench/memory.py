@@ -43,16 +43,20 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # the single-device terms the breakdowns are built from
     terms: dict = field(default_factory=dict, repr=False)  # the same, in full: any layout's row is built from them
+    # each row's "limits" (largest micro-batch, longest sequence that fit) hold the other setting at these values
+    limits_at: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"model": self.model, "strategies": self.strategies, "recommended": self.recommended,
-                "throughput": self.throughput, "notes": self.notes, "device": self.device, "details": self.details}
+                "throughput": self.throughput, "notes": self.notes, "device": self.device, "details": self.details,
+                "limits_at": self.limits_at}
 
     def to_dataframe(self):
         import pandas as pd
 
         rows = [{"strategy": s["name"], "per_device_bytes": s["per_device_bytes"], "cpu_bytes": s["cpu_bytes"],
-                 "fits": s["fits"], **s["breakdown"]} for s in self.strategies]
+                 "fits": s["fits"], **s["breakdown"], "max_micro_batch_size": s["limits"]["micro_batch_size"],
+                 "max_seq_len": s["limits"]["max_seq_len"]} for s in self.strategies]
         return pd.DataFrame(rows).set_index("strategy")
 
     def plot(self):
@@ -81,19 +85,23 @@ class Estimate:
         d = self.device
         table = Table(title=f"{self.model['name']} on {d['count']} × {d['name']} ({_gib(d['memory_bytes'])} each)")
         for col in ("strategy", "per device", "fits", "weights", "adapter", "grads", "optim", "activ.", "other",
-                    "CPU RAM/node"):
-            table.add_column(col, justify="left" if col == "strategy" else "right")
+                    "CPU RAM/node", "max batch", "max len"):
+            table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
         for s in self.strategies:
             b = s["breakdown"]
             mark = "*" if s["name"] == self.recommended else ""
             table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]), "yes" if s["fits"] else "no",
                           *(_gib(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
-                                                  "other")), _gib(s["cpu_bytes"]))
+                                                  "other")), _gib(s["cpu_bytes"]),
+                          *(_limit(s.get("limits", {}).get(k)) for k in ("micro_batch_size", "max_seq_len")))
         console = Console(width=width, record=True, file=open(os.devnull, "w"))
         m, t = self.model, self.throughput
         console.print(f"params {m['params']:,}  trainable {m['trainable_params']:,}")
         console.print(table)
         console.print(f"recommended: {self.recommended}" + ("  (* in the table)" if self.recommended != "none" else ""))
+        console.print(f"max batch: the largest training.micro_batch_size that fits at data.max_seq_len="
+                      f"{self.limits_at.get('max_seq_len')}; max len: the longest data.max_seq_len at "
+                      f"training.micro_batch_size={self.limits_at.get('micro_batch_size')}")
         line = f"throughput: ~{t['tokens_per_s']:,.0f} tokens/s on {d['count']} device(s) (MFU {t['mfu']})"
         if t.get("epoch_tokens"):
             line += (f"; epoch of ~{t['epoch_tokens']:,} tokens: {t['epoch_hours']:.2f} h, "
@@ -116,7 +124,10 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
     info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
     terms = single_device_terms(recipe, info, dev)
-    strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in candidates(world_size, nodes)]
+    layouts = candidates(world_size, nodes)
+    strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in layouts]
+    for row, limits in zip(strategies, fit_limits(recipe, info, dev, world_size, nodes, layouts)):
+        row["limits"] = limits
     recommended = next((s["name"] for s in strategies if s["fits"]), "none")
     model = {"name": recipe.model.path, "source": info.source, "params": info.params,
              "trainable_params": terms["trainable_params"],
@@ -126,7 +137,8 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     notes = [*precision.warnings, *_notes(strategies, recommended, dev, world_size, terms, recipe)]
     device_json["precision"] = precision.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
-    return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms)
+    limits_at = {"micro_batch_size": recipe.training.micro_batch_size, "max_seq_len": recipe.data.max_seq_len}
+    return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms, limits_at)
 
 
 def prediction_for_run(recipe: Recipe, layout: Layout, world_size: int, device_type: str) -> dict:
@@ -144,6 +156,57 @@ def prediction_for_run(recipe: Recipe, layout: Layout, world_size: int, device_t
                 "predicted_tokens_per_s": round(est.throughput["tokens_per_s"], 1)}
     except Exception as err:  # noqa: BLE001
         return {"prediction_error": f"{type(err).__name__}: {err}"}
+
+
+# -- the planner: what fits -------------------------------------------------------------------------
+
+MAX_MICRO_BATCH, MAX_SEQ_LEN = 4096, 2**20  # the search stops here ("at least")
+MIN_SEQ_LEN = 8  # the recipe's own lower bound for data.max_seq_len
+
+
+def fit_limits(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, nodes: int,
+               layouts: list[Layout]) -> list[dict]:
+    """For each layout: the largest training.micro_batch_size (at the recipe's data.max_seq_len) and the longest
+    data.max_seq_len (at its micro_batch_size, and within the model's context) whose estimate fits the device;
+    0 where not even the smallest does.
+    The same terms as the table, recomputed for each size tried (a doubling, then a bisection)."""
+    cache: dict = {}
+    context = min(info.context or MAX_SEQ_LEN, MAX_SEQ_LEN)  # no longer than the model's positions reach
+
+    def terms_for(key: str, value: int) -> dict:
+        if (key, value) not in cache:
+            cache[key, value] = single_device_terms(recipe.override(**{key: value}), info, dev)
+        return cache[key, value]
+
+    def largest(layout: Layout, key: str, floor: int, cap: int) -> int:
+        def fits(value: int) -> bool:
+            return _strategy(layout, terms_for(key, value), dev, world_size, nodes)["fits"]
+
+        if not fits(floor):
+            return 0
+        low, high = floor, floor * 2
+        while high <= cap and fits(high):
+            low, high = high, high * 2
+        if high > cap:
+            return cap if fits(cap) else _bisect(fits, low, cap)
+        return _bisect(fits, low, high)
+
+    return [{"micro_batch_size": largest(layout, "training__micro_batch_size", 1, MAX_MICRO_BATCH),
+             "max_seq_len": largest(layout, "data__max_seq_len", MIN_SEQ_LEN, context)} for layout in layouts]
+
+
+def _bisect(fits, low: int, high: int) -> int:
+    """The largest value in [low, high) that fits, given that low fits and high does not."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _limit(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}+" if value == MAX_MICRO_BATCH else f"{value:,}"
 
 
 # -- the terms of one training process on one device ------------------------------------------------

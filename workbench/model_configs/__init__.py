@@ -66,6 +66,7 @@ class ModelInfo:
     layer_norms: tuple[tuple[str, int], ...]  # (name, width) of each norm in one decoder layer
     checkpoint_dtype: str  # dtype the weights are published in
     checkpoint_bytes: int | None  # size of the local weight files, when there are any
+    context: int | None = None  # the longest sequence its positions cover (max_position_embeddings)
 
     @property
     def linear_params(self) -> int:
@@ -135,6 +136,7 @@ def describe_model(path: str, revision: str | None = None, trust_remote_code: bo
         checkpoint_dtype=str(getattr(config, "dtype", None) or getattr(text, "dtype", None) or "bfloat16")
         .replace("torch.", ""),
         checkpoint_bytes=sum(f.stat().st_size for f in weight_files) if weight_files else None,
+        context=getattr(text, "max_position_embeddings", None),
     )
 
 
