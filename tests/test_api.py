@@ -56,6 +56,8 @@ def test_importing_the_package_is_instant_and_changes_nothing():
         from workbench.train import check_same_data
         assert isinstance(wb.train, types.FunctionType) and wb.train.__module__ == "workbench.train", wb.train
         assert "train" in dir(wb) and wb.__all__ == sorted(wb.__all__)
+        assert wb.runs.RunDir and callable(wb.heap.return_large_blocks)  # submodules load on first use too
+        assert not any(hasattr(wb, name) for name in ("sys", "types", "annotations", "no_such_name"))
         print("ok")
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

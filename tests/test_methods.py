@@ -103,6 +103,62 @@ def test_qlora_merges_into_a_dequantized_base(tmp_path):
     assert not any("lora" in name for name, _ in merged.named_parameters())
 
 
+def test_qlora_keeps_the_unquantized_frozen_weights_in_the_model_dtype(tmp_path):
+    """Embeddings, head and norms stay bfloat16 beside the 4-bit Linears (peft's k-bit preparation would make them
+    float32); quantization.upcast_frozen brings that back. The estimator counts what the model holds."""
+    from workbench.memory import weight_bytes
+    from workbench.model_configs import describe_model
+
+    recipe = method_recipe("tiny-qlora", tmp_path, "model.dtype=bfloat16", "training.mixed_precision=no",
+                           "quantization.compute_dtype=float32")
+    held = {}
+    for upcast in (False, True):
+        r = recipe.override(f"quantization.upcast_frozen={str(upcast).lower()}")
+        model = attach_adapter(load_base_model(r), r)
+        frozen = {p.dtype for n, p in model.named_parameters() if "lora_" not in n and type(p).__name__ != "Params4bit"}
+        assert frozen == ({torch.float32} if upcast else {torch.bfloat16}), (upcast, frozen)
+        packed = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+        assert packed and all(p.dtype == torch.uint8 and not p.requires_grad for p in packed)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable)
+        held[upcast] = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+        info = describe_model(r.model.path)
+        unquantized = sum(p.numel() for p in model.parameters() if type(p).__name__ != "Params4bit") - sum(
+            p.numel() for n, p in model.named_parameters() if "lora_" in n)
+        assert weight_bytes(r, info) - weight_bytes(recipe, info) == (2 * unquantized if upcast else 0)
+    assert held[True] - held[False] == 2 * unquantized
+
+
+def test_trained_copies_are_float32_under_autocast(tmp_path):
+    """peft copies a modules_to_save module in the base's dtype; under autocast the workbench trains it in float32
+    (AdamW on bf16 weights loses small updates), and without autocast it stays in the dtype the layers around it
+    compute in, so the forward still runs."""
+    for name in ("tiny", "tiny-qlora"):
+        for mixed, expected in (("bf16", torch.float32), ("no", torch.bfloat16)):
+            r = method_recipe(name, tmp_path, "model.dtype=bfloat16", f"training.mixed_precision={mixed}",
+                              "adapter.modules_to_save=[lm_head]")
+            model = attach_adapter(load_base_model(r), r)
+            copies = [p for n, p in model.named_parameters() if "modules_to_save" in n]
+            assert copies and all(p.dtype == expected and p.requires_grad for p in copies), (name, mixed)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed == "bf16"):
+                assert model(input_ids=torch.arange(3, 20)[None]).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_lean_qlora_trains_as_well_as_the_float32_upcast(tmp_path):
+    """The memory the lean path saves costs no quality: eval loss within 1% of peft's float32-upcast path."""
+    common = ["model.dtype=bfloat16", "training.mixed_precision=no", "quantization.compute_dtype=float32",
+              "training.max_steps=10", "output.save_every=null", "output.eval_every=10"]
+    evals = {}
+    for upcast in ("false", "true"):
+        result = train(method_recipe("tiny-qlora", tmp_path, *common, f"name=upcast-{upcast}",
+                                     f"quantization.upcast_frozen={upcast}"), progress_bar=False)
+        losses = result.metrics["eval_loss"].dropna().tolist()
+        assert losses[-1] < losses[0] - 0.2, losses  # it learned
+        evals[upcast] = losses[-1]
+    assert evals["false"] == pytest.approx(evals["true"], rel=0.01), evals
+
+
 def test_gradient_checkpointing_gives_the_same_losses(tiny_recipe):
     common = ["training.max_steps=3", "adapter.dropout=0.0"]
     plain = train(tiny_recipe.override(*common, "name=plain"), progress_bar=False)

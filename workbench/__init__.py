@@ -12,10 +12,9 @@ torch, transformers, ...) on first use. The command line depends on that: `pytho
 Ctrl-C back before any heavy import, so a job started with SIGINT ignored can still be stopped at once.
 """
 
-from __future__ import annotations
-
-import sys
-import types
+import importlib.util as _importlib_util
+import sys as _sys
+import types as _types
 
 __version__ = "0.1.0"
 
@@ -33,11 +32,14 @@ __all__ = sorted(_API)
 
 
 def __getattr__(name: str):
-    if name not in _API:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .quiet import import_quietly
 
-    value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
+    if name in _API:
+        value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
+    elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        value = import_quietly(f"{__name__}.{name}")  # a submodule: `workbench.heap.return_large_blocks()`
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
     return value
 
@@ -46,12 +48,12 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_API})
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     def __setattr__(self, name: str, value) -> None:
         # Importing the submodule workbench/train.py binds it on the package; `wb.train` stays the function.
-        if name in _API and isinstance(value, types.ModuleType) and name == _API[name]:
+        if name in _API and isinstance(value, _types.ModuleType) and name == _API[name]:
             return
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package

@@ -175,8 +175,10 @@ def _load_recipe(args):
 
 
 def _train(args) -> int:
+    from .heap import return_large_blocks
     from .train import train
 
+    return_large_blocks()  # this process trains: freed per-step tensors go back to the system (workbench/heap.py)
     recipe = _load_recipe(args)
     result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar="lines" if args.no_progress else True)
     if os.environ.get("RANK", "0") == "0":  # one summary per run, not one per process

@@ -7,7 +7,6 @@ with what was asked for, because several launch routes fall back silently (see t
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from contextlib import contextmanager, nullcontext
@@ -18,7 +17,7 @@ import torch
 
 from .errors import RecipeError, WorkbenchError
 from .recipe import Recipe
-from .strategies import Layout
+from .strategies import Layout, read_deepspeed_file
 
 # where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -119,11 +118,7 @@ def deepspeed_config(recipe: Recipe) -> dict:
     ds = recipe.distributed.deepspeed
     training = recipe.training
     if ds.config_file:
-        path = Path(ds.config_file)
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise RecipeError(f"distributed.deepspeed.config_file: cannot read {path}: {err}") from None
+        config = read_deepspeed_file(ds.config_file)
     else:
         zero: dict = {"stage": ds.stage, "overlap_comm": False, "contiguous_gradients": True}
         if ds.offload_optimizer == "cpu":

@@ -18,7 +18,7 @@ from pathlib import Path
 from .devices import Device, cpu_runtime_bytes, get_device
 from .errors import RecipeError
 from .model_configs import ModelInfo, describe_model
-from .precision import compute_dtype_of, resolve_recipe
+from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe
 from .recipe import Recipe
 from .strategies import FSDP, PARTS, Layout, candidates, nodes_from_env
 
@@ -26,6 +26,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
 CPU_HEAP_GROWTH = 1.5  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap: 1.3 measured
 # when the tokenized data is cached, 1.7 when the run tokenizes first)
+CPU_MAPPED_GROWTH = 1.15  # the same when those tensors are blocks the heap maps on its own (workbench/heap.py:
+# bench:llama3-1b, 1 x 512 tokens, float32: 8,341 MB LoRA and 5,998 MB QLoRA measured)
 TOKENIZER_BYTES_PER_ENTRY = 1200  # RSS of a loaded fast tokenizer per vocabulary entry (measured)
 CHARS_PER_TOKEN = 4  # token count of a data file, approximated from its text
 QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights
@@ -93,7 +95,8 @@ class Estimate:
             table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]), "yes" if s["fits"] else "no",
                           *(_gib(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
                                                   "other")), _gib(s["cpu_bytes"]),
-                          *(_limit(s.get("limits", {}).get(k)) for k in ("micro_batch_size", "max_seq_len")))
+                          _limit(s.get("limits", {}).get("micro_batch_size"), MAX_MICRO_BATCH),
+                          _limit(s.get("limits", {}).get("max_seq_len"), MAX_SEQ_LEN))
         console = Console(width=width, record=True, file=open(os.devnull, "w"))
         m, t = self.model, self.throughput
         console.print(f"params {m['params']:,}  trainable {m['trainable_params']:,}")
@@ -203,10 +206,11 @@ def _bisect(fits, low: int, high: int) -> int:
     return low
 
 
-def _limit(value: int | None) -> str:
+def _limit(value: int | None, cap: int) -> str:
+    """A planner figure; "+" where the search stopped at its cap rather than at the device's memory."""
     if value is None:
         return "-"
-    return f"{value:,}+" if value == MAX_MICRO_BATCH else f"{value:,}"
+    return f"{value:,}+" if value == cap else f"{value:,}"
 
 
 # -- the terms of one training process on one device ------------------------------------------------
@@ -253,7 +257,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
     if dev.kind == "cpu":
         # glibc keeps freed heap pages between steps: per-step tensors cost more RSS than their size.
         step = _step_bytes(terms, gradients) + terms["autocast_copies"]
-        terms["allocator"] = int((CPU_HEAP_GROWTH - 1) * step)
+        terms["allocator"] = int((cpu_heap_growth(recipe, info) - 1) * step)
         train_peak = sum(terms[k] for k in ("weights", "adapter", "optimizer", "autocast_copies", "runtime",
                                             "allocator")) + _step_bytes(terms, gradients)
         # Loading maps the checkpoint file; converting its dtype keeps file pages and new weights at once.
@@ -262,6 +266,20 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         load_peak = runtime + weights + (0 if same else checkpoint)
         terms["loading"] = max(0, load_peak - train_peak)
     return terms
+
+
+def cpu_heap_growth(recipe: Recipe, info: ModelInfo) -> float:
+    """RSS per byte of per-step tensors. When the training process maps large blocks on its own and returns
+    them when freed (workbench/heap.py), the share of a step's bytes in such blocks grows less: that share is
+    taken as 1 - LARGE_BLOCK / (a micro-batch's MLP activation), so the estimate still rises with the size."""
+    from .heap import LARGE_BLOCK, large_blocks_returned
+
+    if not large_blocks_returned():
+        return CPU_HEAP_GROWTH
+    tokens = recipe.training.micro_batch_size * recipe.data.max_seq_len
+    typical = tokens * max(info.intermediate, info.hidden) * DTYPE_BYTES[frozen_dtype_of(recipe)]
+    mapped = max(0.0, 1 - LARGE_BLOCK / typical)
+    return 1 + (CPU_MAPPED_GROWTH - 1) * mapped + (CPU_HEAP_GROWTH - 1) * (1 - mapped)
 
 
 def _step_bytes(terms: dict, gradients: int) -> int:
@@ -276,8 +294,9 @@ def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
     the next layer: the largest unit plus one layer, as stored (4-bit layers stay 4-bit)."""
     if recipe.adapter.method == "qlora":
         linear = sum(lin.in_features * lin.out_features for lin in info.linears if lin.in_layer)
-        layer = _quantized_bytes(linear, recipe) + 4 * (info.layer_params - linear)
-        embedding = 4 * info.vocab * info.hidden
+        frozen = DTYPE_BYTES[frozen_dtype_of(recipe)]
+        layer = _quantized_bytes(linear, recipe) + frozen * (info.layer_params - linear)
+        embedding = frozen * info.vocab * info.hidden
     else:
         layer = info.layer_params * DTYPE_BYTES[recipe.model.dtype]
         embedding = info.vocab * info.hidden * DTYPE_BYTES[recipe.model.dtype]
@@ -306,8 +325,8 @@ def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
     if recipe.adapter.method != "qlora":
         return info.params * DTYPE_BYTES[recipe.model.dtype]
     quantized = sum(lin.in_features * lin.out_features for lin in info.linears if lin.name != info.head)
-    # peft's prepare_model_for_kbit_training casts the rest (embeddings, head, norms) to fp32
-    return int(_quantized_bytes(quantized, recipe) + 4 * (info.params - quantized))
+    # the rest (embeddings, head, norms) in the model dtype, or float32 with quantization.upcast_frozen
+    return int(_quantized_bytes(quantized, recipe) + DTYPE_BYTES[frozen_dtype_of(recipe)] * (info.params - quantized))
 
 
 def _quantized_bytes(n: int, recipe: Recipe) -> float:
@@ -339,7 +358,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     train, method, adapter = recipe.training, recipe.adapter.method, recipe.adapter
     tokens = train.micro_batch_size * recipe.data.max_seq_len
     autocast = train.mixed_precision in ("bf16", "fp16")
-    resid = 4 if method == "qlora" else DTYPE_BYTES[recipe.model.dtype]  # kbit prep upcasts the stream
+    resid = DTYPE_BYTES[frozen_dtype_of(recipe)]  # the embeddings' dtype: float32 when QLoRA upcasts them
     a = 2 if autocast else resid  # attention and LoRA tensors
     mlp = resid if method == "qlora" else a  # bitsandbytes returns its input's dtype, outside autocast
     lora = a if autocast else 4  # peft computes the adapter in fp32 unless autocast says otherwise
@@ -382,7 +401,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     if chunked_loss(recipe, info):
         from .lm_loss import CHUNK_ELEMENTS
 
-        head_copy = 2 * info.vocab * h if method == "qlora" or recipe.model.dtype == "float32" else 0
+        head_copy = 2 * info.vocab * h if frozen_dtype_of(recipe) == "float32" else 0
         chunk = min(tokens * info.vocab, CHUNK_ELEMENTS)
         loss = max(tokens * 3 * resid * h + 3 * 4 * chunk + head_copy, tokens * one_layer)
     copies = 0.0

@@ -127,13 +127,10 @@ def attach_adapter(model, recipe: Recipe):
     if adapter.method == "full":
         model.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     if recipe.quantization is not None:
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=recipe.training.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        prepare_quantized(model, recipe)
     config = LoraConfig(
         r=adapter.r,
         lora_alpha=adapter.alpha,
@@ -145,9 +142,35 @@ def attach_adapter(model, recipe: Recipe):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as err:
         raise ModelError(f"adapter.target_modules: {err}") from None
+    # peft makes LoRA weights float32 but copies a modules_to_save module in the base's dtype: AdamW on 16-bit
+    # weights loses small updates. Under autocast a float32 copy computes in 16 bit like the rest (without
+    # it, a float32 copy between 16-bit layers could not run: pure 16-bit training stays as asked).
+    from .precision import concrete
+
+    if concrete(recipe).training.mixed_precision != "no":
+        for param in model.parameters():
+            if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.to(torch.float32)
+    return model
+
+
+def prepare_quantized(model, recipe: Recipe) -> None:
+    """What a quantized base needs before its adapter: every weight frozen, and the weights left unquantized kept
+    in the dtype precision.frozen_dtype_of chooses. peft's prepare_model_for_kbit_training would also cast them
+    to float32: for a 128k vocabulary that is 2 GiB more for the embeddings and head of an 8B model, and the
+    residual stream in float32 besides. (Non-reentrant gradient checkpointing, enabled above, needs no
+    input-gradient hooks.)"""
+    from .precision import concrete, frozen_dtype_of
+
+    model.requires_grad_(False)
+    if frozen_dtype_of(concrete(recipe)) != "float32":
+        return  # as loaded (a model's own float32 modules, if any, stay float32)
+    for param in model.parameters():  # 4-bit weights stored as bfloat16 (quant_storage) stay packed
+        if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+            param.data = param.data.to(torch.float32)
 
 
 def count_parameters(model) -> tuple[int, int]:

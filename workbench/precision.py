@@ -218,6 +218,16 @@ def compute_dtype_of(recipe: "Recipe") -> str:
     return DTYPE_OF[mode] if mode != "no" else recipe.model.dtype
 
 
+def frozen_dtype_of(recipe: "Recipe") -> str:
+    """The dtype of the frozen weights a quantized model keeps unquantized (embeddings, head, norms): the model
+    dtype, as torchtune and unsloth keep them, or float32 with quantization.upcast_frozen (peft's k-bit
+    preparation). RMSNorm and the loss upcast inside their computation, so 16-bit storage costs no accuracy."""
+    quantization = recipe.quantization
+    if recipe.adapter.method == "qlora" and quantization is not None and quantization.upcast_frozen:
+        return "float32"
+    return recipe.model.dtype
+
+
 def concrete(recipe: "Recipe") -> "Recipe":
     """The recipe itself when no precision field says `auto`, else resolved for this machine's device."""
     quantization = recipe.quantization

@@ -73,6 +73,10 @@ class QuantizationSection(Section):
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8", description="storage dtype of packed 4-bit weights (bfloat16 lets FSDP shard them)."
     )
+    upcast_frozen: bool = Field(
+        False, description="keep the frozen weights that are not quantized (embeddings, head, norms) in float32, "
+                           "as peft's k-bit preparation does; default: the model dtype (norms and the loss "
+                           "compute in float32 either way).")
 
     _dtype_spelling = field_validator("compute_dtype", "quant_storage", mode="before")(
         lambda value: spelled(value, DTYPE_SPELLINGS))

@@ -148,7 +148,7 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
         ds = dist.deepspeed
         stage, offload_optimizer, offload_params = ds.stage, ds.offload_optimizer == "cpu", ds.offload_params == "cpu"
         if ds.config_file:  # the user's own DeepSpeed JSON decides what each process holds
-            zero = _read_json(ds.config_file).get("zero_optimization", {})
+            zero = read_deepspeed_file(ds.config_file).get("zero_optimization", {})
             stage = int(zero.get("stage", 0))
             offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
             offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
@@ -214,7 +214,8 @@ def nodes_from_env() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
-def _read_json(path) -> dict:
+def read_deepspeed_file(path) -> dict:
+    """A DeepSpeed config_file's JSON, or one error that names the field and the file."""
     try:
         with open(path) as handle:
             return json.load(handle)

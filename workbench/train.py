@@ -26,6 +26,7 @@ from .export import generate_text
 from .fastpath import apply_fast_paths
 from .launcher import check_launcher_agrees
 from .lm_loss import full_logits_loss_sum, lm_loss_sum
+from . import heap
 from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from . import checkpoints
@@ -79,6 +80,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     elif not isinstance(recipe, Recipe):
         raise RecipeError(f"train: expects a Recipe, a mapping or a recipe file, got {type(recipe).__name__}")
     quiet_libraries()
+    heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     if resume and overwrite:
         raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
     run = RunDir(recipe.run_dir)
