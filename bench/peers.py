@@ -46,6 +46,9 @@ JOBS = {
                         lr=1e-3),
     "smollm2": dict(model="builtin:smollm2-135m", train_rows=160, eval_rows=32, max_seq_len=512, batch=8, packs=2,
                     lr=5e-4),
+    # a GPU job (bench/gpu_check.py): the Llama-3-shaped 1.24B model, rows packed into 2 × 2048 tokens a step
+    "gpu-1b": dict(model="bench:llama3-1b", train_rows=1500, eval_rows=16, max_seq_len=2048, batch=32, packs=2,
+                   lr=2e-4),
     "quick": dict(model="builtin-quick", train_rows=48, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3),
 }
 LORA = dict(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
@@ -56,6 +59,10 @@ TOOL_NAMES = ("workbench", "workbench-baseline", "trl", "plain")  # baseline: tr
 
 
 def resolve_model(name: str) -> str:
+    if name == "bench:llama3-1b":
+        import llama3_1b
+
+        return str(llama3_1b.path())
     if name.startswith("builtin:"):
         from workbench.builtin import resolve_builtin
 
@@ -77,12 +84,18 @@ def job_spec(args, work: Path) -> dict:
             "eval": str(evaluation), "max_seq_len": job["max_seq_len"], "batch": job["batch"],
             "packs_per_step": job["packs"], "lr": job["lr"], "warmup_ratio": 0.05, "seed": 42,
             "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"],
-            **job_precision(args.threads)}
+            "device": device(), **job_precision(args.threads)}
     if args.wb:
         spec["workbench_training"] = dict(_parse_override(o) for o in args.wb)
     spec["trl"] = {"gradient_checkpointing": args.trl_checkpointing, "train_sampling_strategy": args.trl_sampling,
                    "packing": not args.trl_unpacked}
     return spec
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def job_precision(threads: int) -> dict:
@@ -131,9 +144,14 @@ def _children_cpu_s() -> float:
 
 
 def measured_peaks(threads: int) -> dict:
-    """This machine's matmul peak (FLOP/s) in bf16 and fp32 with the benchmark's threads, best of a few tries."""
+    """This machine's matmul peak (FLOP/s) in bf16 and fp32 with the benchmark's threads, best of a few tries;
+    on a known GPU its data-sheet figure (what MFU is quoted against)."""
     import torch
-    from workbench.metrics import _matmul_probe
+    from workbench.metrics import _matmul_probe, peak_flops
+
+    if torch.cuda.is_available():
+        return {name: peak_flops("cuda", dtype, threads)[0] for name, dtype in (("bf16", "bfloat16"),
+                                                                              ("fp32", "float32"))}
 
     torch.set_num_threads(threads)
     return {name: max(_matmul_probe("cpu", dtype, size=1024, seconds=1.0) for _ in range(2))
@@ -186,7 +204,7 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
               f"{100 * r['mfu_bf16']:>7.1f}% {100 * r['mfu_fp32']:>7.1f}%")
     print("(times: best of the repeats; memory and loss: medians; job = load model, prepare data, one epoch, save adapter; loop = the training "
           "loop; cpu = CPU seconds of the whole process, shared evaluation included; tokens/s = real tokens / loop s; "
-          "peak = process peak RSS when the job ended)")
+          "peak = process peak RSS when the job ended on a CPU, max_memory_allocated on a GPU)")
     for r in rows:
         if "error" not in r:
             print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")

@@ -35,6 +35,11 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
+def peak_memory(spec: dict) -> float:
+    """MB: the process's peak RSS on a CPU; on a GPU, max_memory_allocated (what the workbench records there)."""
+    return torch.cuda.max_memory_allocated() / 2**20 if spec.get("device") == "cuda" else peak_rss_mb()
+
+
 def prompt_completion(row: dict) -> dict:
     """A chat row as TRL's prompt-completion layout (its documented way to learn only the answer)."""
     messages = row["messages"]
@@ -57,12 +62,12 @@ def load_model(spec: dict):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["model_dtype"]),
-                                                attn_implementation="sdpa")
+                                                attn_implementation="sdpa").to(spec.get("device", "cpu"))
 
 
 def autocast(spec: dict):
     """The job's autocast (bf16 where this CPU computes it natively), or none: every tool runs the same precision."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["mixed_precision"] == "bf16")
+    return torch.autocast(spec.get("device", "cpu"), dtype=torch.bfloat16, enabled=spec["mixed_precision"] == "bf16")
 
 
 def load_tokenizer(spec: dict):
@@ -101,8 +106,8 @@ def eval_loss(model, samples: list[dict], spec: dict) -> float:
     model.eval()
     total, targets = 0.0, 0
     for sample in samples:
-        ids = torch.tensor([sample["input_ids"]])
-        labels = torch.tensor(sample["labels"][1:])
+        ids = torch.tensor([sample["input_ids"]], device=model.device)
+        labels = torch.tensor(sample["labels"][1:], device=model.device)
         with autocast(spec):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
         total += float(F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum"))
@@ -110,9 +115,9 @@ def eval_loss(model, samples: list[dict], spec: dict) -> float:
     return total / max(targets, 1)
 
 
-def stop_clock(started: float) -> dict:
+def stop_clock(started: float, spec: dict) -> dict:
     """Read when the job is done (adapter saved), before the shared evaluation adds time or memory."""
-    return {"job_s": round(time.perf_counter() - started, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
+    return {"job_s": round(time.perf_counter() - started, 2), "peak_rss_mb": round(peak_memory(spec), 1),
             "ended_at": time.time()}
 
 
@@ -134,7 +139,7 @@ def workbench_recipe(spec: dict):
 
     return Recipe.from_dict({
         "name": "peers-workbench",
-        "model": {"path": spec["model"], "dtype": spec["model_dtype"], "attn": "sdpa"},
+        "model": {"path": spec["model"], "dtype": spec["model_dtype"], "attn": "auto"},
         "adapter": {"method": "lora", "r": spec["r"], "alpha": spec["alpha"], "dropout": spec["dropout"],
                     "target_modules": spec["target_modules"]},
         "data": {"train": spec["train"], "format": "chat", "max_seq_len": spec["max_seq_len"], "packing": True,
@@ -158,7 +163,7 @@ def run_workbench(spec: dict) -> dict:
     if baseline:  # the loop on the libraries' own paths, to show what the fast paths are worth
         recipe = recipe.override("training.fast_paths=false")
     result = wb.train(recipe, overwrite=True, progress_bar=False)
-    clock = stop_clock(started)
+    clock = stop_clock(started, spec)
     summary = result.summary
     model = PeftModel.from_pretrained(load_model(spec), str(result.run_dir / "adapter"))
     tokenizer = load_tokenizer(spec)
@@ -192,7 +197,7 @@ def run_trl(spec: dict) -> dict:
         output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, num_train_epochs=1, learning_rate=spec["lr"], lr_scheduler_type="cosine",
         warmup_steps=spec["warmup_ratio"], weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_seq_len"],
-        bf16=spec["mixed_precision"] == "bf16", use_cpu=True, logging_steps=10, save_strategy="no", eval_strategy="no",
+        bf16=spec["mixed_precision"] == "bf16", use_cpu=spec.get("device", "cpu") == "cpu", logging_steps=10, save_strategy="no", eval_strategy="no",
         report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0, **trl_opts,
     )
     trainer = SFTTrainer(model=load_model(spec), args=args, train_dataset=train, processing_class=tokenizer,
@@ -200,7 +205,7 @@ def run_trl(spec: dict) -> dict:
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     output = trainer.train()
     trainer.save_model()
-    clock = stop_clock(started)
+    clock = stop_clock(started, spec)
     settings = SETTINGS["trl"].format(**trl_opts, batch=batch)
     return finish(spec, "trl", clock, output.metrics["train_runtime"], sum(lengths), output.global_step,
                   trainer.model, lengths, settings)
@@ -262,14 +267,16 @@ def run_plain(spec: dict) -> dict:
     packs = greedy_packs(samples, spec["max_seq_len"], spec["seed"])
     model = get_peft_model(load_model(spec), lora_config(spec))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.0, foreach=True)
+    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.0,
+                                  **({"fused": True} if spec.get("device") == "cuda" else {"foreach": True}))
     size = spec["packs_per_step"]
     steps = math.ceil(len(packs) / size)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(spec["warmup_ratio"] * steps), steps)
     model.train()
     loop_start = time.perf_counter()
     for step in range(steps):
-        batch = plain_batch(packs[step * size:(step + 1) * size], tokenizer.pad_token_id)
+        batch = {k: v.to(model.device, non_blocking=True)
+                 for k, v in plain_batch(packs[step * size:(step + 1) * size], tokenizer.pad_token_id).items()}
         with autocast(spec):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         shifted = batch["labels"][:, 1:]
@@ -282,7 +289,7 @@ def run_plain(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
     loop_s = time.perf_counter() - loop_start
     model.save_pretrained(str(Path(spec["out"]) / "plain-adapter"))
-    clock = stop_clock(started)
+    clock = stop_clock(started, spec)
     lengths = [len(s["input_ids"]) for s in samples]
     settings = SETTINGS["plain"].format(packs=size)
     return finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings)

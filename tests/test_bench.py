@@ -21,3 +21,22 @@ def test_methods_benchmark_runs(tmp_path):
     assert set(rows) == {"lora", "qlora-nf4", "full"}
     assert "x lora" in done.stdout and "1.00" in done.stdout
     assert rows["full"]["trainable_params"] > rows["lora"]["trainable_params"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_goes_through_every_part(tmp_path):
+    """bench/gpu_check.py on a CPU with tiny shapes: the script that runs on a lent GPU never rots."""
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    measured = {r["name"]: r for r in report["rows"] if "tokens_per_s" in r}
+    assert {"lora", "qlora-nf4", "lora+checkpointing", "lora, sdpa (dense mask)", "lora, unpacked (padded)"} <= set(
+        measured)
+    assert measured["lora, unpacked (padded)"]["packed_rows"] == "none"
+    assert all(0.5 < r["estimate_ratio"] < 2 and r["tokens_per_s"] > 0 for r in measured.values())
+    flash = next(r for r in report["rows"] if r["name"] == "lora, flash-attn varlen")
+    assert "flash_attention_2 runs on CUDA GPUs only" in flash["skipped"]  # the workbench's own refusal
+    assert set(report["peers"]["rows"]) == {"workbench", "trl", "plain"}
+    assert len(report["goals"]) == 3 and all(g["met"] is None for g in report["goals"])  # GPU goals, not judged here
+    assert "| goal | measured | met |" in (tmp_path / "gpu_check.md").read_text()

@@ -56,9 +56,10 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
             raise DataError(f"{path}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
         if local.is_dir():
             raise DataError(f"{path}: is a folder; give a {', '.join(LOCAL_FORMATS)} file")
+        lines = None
         try:
             if local.suffix.lower() == ".jsonl":
-                _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
+                lines = _check_json_lines(local)  # a precise file:line beats pyarrow's parse error
             elif local.suffix.lower() == ".json":
                 _check_json_document(local)
             where = _row_locator(local)
@@ -79,9 +80,19 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                     if check_row is not None:
                         check_row(row, where(i))
                 _check_field_types(local, where)
-            elif local.suffix.lower() == ".csv":
-                _check_utf8(local)
-            raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+                # every row is sound: pyarrow's JSON reader tripped on its own (e.g. a list of nulls after a
+                # blank line), so build the rows from Python's reading of the same bytes
+                try:
+                    dataset = datasets.Dataset.from_list([json.loads(line) for _, line in _json_lines(snapshot)])
+                except Exception:  # noqa: BLE001  the original error says more
+                    raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+            else:
+                if local.suffix.lower() == ".csv":
+                    _check_utf8(local)
+                raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+        if lines is not None and len(dataset) != lines:  # never train on fewer rows than the file holds
+            raise DataError(f"{path}: the JSON reader returned {len(dataset)} rows for {lines} non-blank lines; "
+                            "check the file for rows it cannot represent")
         return Rows(dataset, path, where, digest)
     if path.count("/") != 1 or path.startswith((".", "/")):
         raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
@@ -102,9 +113,11 @@ def _json_lines(path: Path):
                 yield number, line
 
 
-def _check_json_lines(path: Path) -> None:
-    number = 0
+def _check_json_lines(path: Path) -> int:
+    """The number of rows, each checked to be a JSON object with at least one field."""
+    number, rows = 0, 0
     for number, line in _json_lines(path):
+        rows += 1
         try:
             line.encode("utf-8")
         except UnicodeEncodeError as err:
@@ -118,8 +131,11 @@ def _check_json_lines(path: Path) -> None:
             raise DataError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+        if not row:  # the JSON reader silently drops `{}` beside a list-valued field
+            raise DataError(f"{path}:{number}: an empty row ({{}}): give it the data format's fields or remove it")
     if not number:
         raise DataError(f"{path}: no rows (the file is empty or blank)")
+    return rows
 
 
 def _check_json_document(path: Path) -> None:
@@ -155,7 +171,15 @@ def _arrow_refuses(line: str, row: dict) -> str | None:
     depth, level = 0, [row]
     while level:
         depth += 1
-        level = [c for x in level for c in (x.values() if isinstance(x, dict) else x) if isinstance(c, (dict, list))]
+        values = [c for x in level for c in (x.values() if isinstance(x, dict) else x)]
+        huge = next((v for v in values if type(v) is int and not -2**63 <= v < 2**63), None)
+        if huge is not None:
+            return f"the number {huge} does not fit the JSON reader's 64-bit integers (write it as a string)"
+        for items in (x for x in level if isinstance(x, list)):
+            kinds = sorted({_json_kind(item) for item in items if item is not None})
+            if len(kinds) > 1:
+                return f"a list mixes {kinds[0]} and {kinds[1]}: the JSON reader needs one type per list"
+        level = [c for c in values if isinstance(c, (dict, list))]
     if depth > MAX_JSON_DEPTH:
         return f"nested {depth} levels deep, more than the JSON reader's {MAX_JSON_DEPTH}"
     return None
@@ -498,7 +522,7 @@ class Collator:
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
 
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: list[dict]) -> dict:
         longest = max(len(e["input_ids"]) for e in examples)
         width = -(-longest // self.multiple) * self.multiple
         batch = {name: torch.full((len(examples), width), fill, dtype=torch.long)
@@ -508,13 +532,16 @@ class Collator:
             batch["input_ids"][row, :n] = torch.tensor(example["input_ids"])
             positions = torch.tensor(example["position_ids"])
             batch["position_ids"][row, :n] = positions
-            batch["position_ids"][row, n:] = torch.arange(width - n)  # padding: a segment of its own
+            # padding continues the row's last sample: it attends only backwards and carries no target, so the real
+            # tokens are untouched, and a row of one sample stays one sample (no mask needed on a GPU)
+            batch["position_ids"][row, n:] = torch.arange(width - n) + (positions[-1] + 1 if n else 0)
             labels = torch.tensor(example["labels"])
             continues = positions[1:] == positions[:-1] + 1
             batch["labels"][row, : n - 1] = torch.where(continues, labels[1:], IGNORE)
-        batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples))
+        # counts for throughput and FLOPs, as Python ints: the loop reads them without waiting for the device
+        batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions
-        batch["num_attended"] = torch.tensor(sum(p + 1 for e in examples for p in e["position_ids"]))
+        batch["num_attended"] = sum(p + 1 for e in examples for p in e["position_ids"])
         return batch
 
 

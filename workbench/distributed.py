@@ -49,7 +49,7 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     """The Accelerator that runs `layout`, with collectives that give up after distributed.timeout_s."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
     # Accelerate keeps its state in process-wide singletons; a notebook that trains twice with
     # different precisions needs a fresh one (the process group in PartialState is kept).
@@ -57,7 +57,9 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     GradientState._reset_state()
     on_gpu = torch.cuda.is_available()
     common = dict(mixed_precision=recipe.training.mixed_precision, log_with=list(recipe.output.trackers) or None,
-                  project_dir=project_dir, step_scheduler_with_optimizer=False)
+                  project_dir=project_dir, step_scheduler_with_optimizer=False,
+                  dataloader_config=DataLoaderConfiguration(
+                      non_blocking=host_transfer("cuda" if on_gpu else "cpu")["non_blocking"]))
     # The processes first wait for each other (and for rank 0's data preparation) up to startup_timeout_s;
     # the loop then tightens the limit to timeout_s (see collective_timeout).
     startup = timedelta(seconds=recipe.distributed.startup_timeout_s)
@@ -79,6 +81,12 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
         return Accelerator(fsdp_plugin=fsdp_plugin(recipe), parallelism_config=hybrid_shard_config(recipe),
                            kwargs_handlers=[InitProcessGroupKwargs(timeout=startup)], **common)
     raise RecipeError(f"distributed.strategy: unknown strategy {layout.strategy}")
+
+
+def host_transfer(device_type: str) -> dict:
+    """How batches reach the device: from page-locked memory without waiting, on a GPU; plainly elsewhere."""
+    on_gpu = device_type == "cuda"
+    return {"pin_memory": on_gpu, "non_blocking": on_gpu}
 
 
 def collective_timeout(seconds: float) -> None:

@@ -29,6 +29,17 @@ def apply_fast_paths(model, compute_dtype: torch.dtype | None = None) -> dict:
     return {"lora_layers": lora_fast_paths(model), "packed_attention": use_packed_attention(model, compute_dtype)}
 
 
+def compile_layers(model) -> int:
+    """training.compile: torch.compile each decoder layer in place (regional compilation, as torchtune does): the
+    layers share one compiled graph, so compiling costs one layer's time, and the model keeps its structure for
+    the loss's head bypass, FSDP2's per-layer wrapping and DeepSpeed's hooks. Returns how many were compiled."""
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+                  and len({type(child) for child in m}) == 1), key=len, default=None)
+    for layer in blocks or []:
+        layer.compile()
+    return len(blocks or [])
+
+
 def lora_fast_paths(model) -> int:
     """No float32 input copy under autocast, and sparse dropout on CPU; returns how many LoRA layers changed."""
     from peft.tuners.lora.layer import Linear as LoraLinear

@@ -18,6 +18,9 @@ from pathlib import Path
 from .devices import Device, cpu_runtime_bytes, get_device
 from .errors import RecipeError
 from .model_configs import ModelInfo, describe_model
+from .attention import dense_mask_warning, mask_bytes
+from .attention import resolve as resolve_attention
+from .attention import with_implementation as attention_for
 from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe
 from .recipe import Recipe
 from .strategies import FSDP, PARTS, Layout, candidates, nodes_from_env
@@ -126,6 +129,8 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     # the same `auto` precision a run on that device would resolve (workbench/precision.py)
     recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
     info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
+    recipe, attention = attention_for(recipe, dev.kind, here=False,  # the kernel a run there uses
+                                      flex_problem=None if info.flex_attention else "no FlexAttention for this model")
     terms = single_device_terms(recipe, info, dev)
     layouts = candidates(world_size, nodes)
     strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in layouts]
@@ -137,8 +142,10 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
              "total_params": info.params + (terms["trainable_params"] if recipe.adapter.method != "full" else 0)}
     device_json = {**dev.to_json(), "count": world_size, "nodes": nodes}
     throughput = _throughput(recipe, info, dev, world_size, price_per_gpu_hour)
-    notes = [*precision.warnings, *_notes(strategies, recommended, dev, world_size, terms, recipe)]
+    notes = [*precision.warnings, *filter(None, [dense_mask_warning(attention, dev.kind)]),
+             *_notes(strategies, recommended, dev, world_size, terms, recipe)]
     device_json["precision"] = precision.to_json()
+    device_json["attention"] = attention.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
     limits_at = {"micro_batch_size": recipe.training.micro_batch_size, "max_seq_len": recipe.data.max_seq_len}
     return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms, limits_at)
@@ -391,6 +398,10 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     layer += sum(adapter.r * lora + (2 * a * lin.out_features if method == "dora" else 0) for lin in in_layer)
     checkpointed = resid * h  # only the layer input survives; backward recomputes the rest
     saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
+    # packed rows: the mask the kernel needs, built once per forward and kept for backward (attention.py)
+    kernel = resolve_attention(recipe, "cuda" if on_gpu else "cpu", here=False, flex_ok=info.flex_attention)
+    saved += mask_bytes(kernel, train.micro_batch_size, recipe.data.max_seq_len, a,
+                        1 if train.gradient_checkpointing else info.layers)
     # Full logits: fp32 log-probabilities, the gradient flowing into them and the one they produce (more
     # than the forward's logits + fp32 upcast). Chunked (workbench/lm_loss.py): the hidden states, their
     # gradient computed in forward and its scaled copy, and one chunk of logits at a time. Backward through

@@ -65,13 +65,17 @@ def load_base_model(recipe: Recipe, device_map=None):
     """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora)."""
     from transformers import AutoModelForCausalLM
 
+    from .attention import AUTO, resolve
     from .precision import concrete
 
     recipe = concrete(recipe)
     path = resolve_model_path(recipe.model.path)
+    attn = recipe.model.attn
+    if attn == AUTO:  # a model loaded outside a run (chat, evaluate, merge): what a run here would use
+        attn = resolve(recipe, _current_device().split(":")[0]).implementation
     kwargs = dict(
         dtype=DTYPES[recipe.model.dtype],
-        attn_implementation=recipe.model.attn,
+        attn_implementation=attn,
         revision=recipe.model.revision,
         trust_remote_code=recipe.model.trust_remote_code,
     )

@@ -62,6 +62,7 @@ def packed_mask(*, attention_mask=None, device="cpu", **kwargs):
     return sdpa_mask(attention_mask=attention_mask, device=device, **kwargs)
 
 
+@torch.compiler.disable  # per-batch Python decisions and caches: run eagerly inside a compiled layer
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                      position_ids=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

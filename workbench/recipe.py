@@ -36,7 +36,9 @@ class ModelSection(Section):
         "auto", description="dtype of the frozen base weights (auto: what the device computes fastest; "
                             "see workbench/precision.py)."
     )
-    attn: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="attention implementation.")
+    attn: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto", description="attention kernel (auto: FlexAttention for packed rows on a GPU, else sdpa; "
+                            "see workbench/attention.py).")
     trust_remote_code: bool = Field(False, description="allow model code from the hub repository.")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
 
@@ -111,6 +113,8 @@ class TrainingSection(Section):
                             "that step's update and go on.")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
     activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
+    compile: bool = Field(False, description="torch.compile each decoder layer (Accelerate's regional compilation): "
+                                             "faster steps on a GPU after a minute of compiling; rarely pays on a CPU.")
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
         "auto", description="autocast precision: auto (bf16 where the device computes it natively, fp16 on GPUs "
                             "without bf16, else full precision), bf16, fp16, or no (also: fp32, false).")

@@ -22,6 +22,7 @@ SAFE_TO_CHANGE = (
     "output.log_every", "output.eval_every", "output.save_every", "output.keep_last", "output.trackers",
     "output.sample_prompts", "output.sample_max_new_tokens", "training.threads", "training.on_nonfinite",
     "training.fast_paths", "training.gradient_checkpointing", "training.activation_offloading",
+    "training.compile", "model.attn",  # kernels and compilation: the same computation, faster
     "training.lr",  # the way out of a divergence: the schedule continues, scaled to the new peak
     "name", "output.dir",  # where the run is: found already, by this very recipe
     "distributed.",  # the strategy of the processes that continue it (checked when the state loads)

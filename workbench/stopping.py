@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import torch
 
@@ -50,12 +51,59 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum else ""
 
 
-def agree(accelerator, nonfinite: bool, stop: StopRequest) -> tuple[bool, int | None]:
-    """(any rank saw a NaN/Inf, the signal any rank got): every rank takes the same decision at the same
-    step. One small all-reduce per step when there are several processes, none in one process."""
+def host_group(timeout_s: float):
+    """A gloo group beside a GPU backend, for flags the host holds: all-reducing a CPU tensor never waits for the
+    GPU's queue. It gives up after timeout_s like the loop's other collectives (None: the default group is gloo
+    already). Every rank must create it at the same point."""
+    if torch.distributed.get_backend() == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+NEVER = 2**53  # larger than any step: ranks agree on the earliest non-finite step through a MAX all-reduce
+
+
+class NonFiniteWatch:
+    """The first step whose loss or gradient norm was NaN/Inf (0: none), kept on the device: reading it is a host
+    sync, which on a GPU stalls the host until the step's kernels finish, so the loop reads it only where it
+    must decide (see host_reads_every_step)."""
+
+    def __init__(self, device) -> None:
+        self.first = torch.zeros((), dtype=torch.long, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm) -> None:
+        bad = ~torch.isfinite(loss)
+        if isinstance(grad_norm, torch.Tensor):  # DeepSpeed clips inside its engine and returns None
+            bad = bad | ~torch.isfinite(grad_norm)
+        self.first = torch.where(bad & (self.first == 0), step, self.first)
+
+    def reset(self) -> None:
+        self.first.zero_()
+
+
+def host_reads_every_step(device_type: str, on_nonfinite: str) -> bool:
+    """A CPU reads its own memory (free); a GPU run reads the NaN check only at steps that write a row,
+    evaluate, checkpoint or end, and at a stop signal, before any of them, unless on_nonfinite: skip must decide
+    each step. A non-finite step is then found a few steps late, never saved. Signals are agreed every step
+    over the host (agree)."""
+    return device_type == "cpu" or on_nonfinite == "skip"
+
+
+def agree(accelerator, first_nonfinite: torch.Tensor | None, stop: StopRequest,
+          signal_group=None) -> tuple[int, int | None]:
+    """(the earliest step at which any rank saw a NaN/Inf, 0 if none; the signal any rank got): every rank takes
+    the same decision at the same step. One small all-reduce when there are several processes, none in one.
+    first_nonfinite None: not a step that decides; the signal alone is agreed over signal_group (host_group)."""
     if accelerator.num_processes == 1:
-        return nonfinite, stop.signum
-    flags = torch.tensor([float(nonfinite), float(stop.signum or 0)], device=accelerator.device)
-    # MAX: a NaN anywhere stops everyone; SIGTERM (15, a scheduler) wins over SIGINT (2)
+        return (int(first_nonfinite) if first_nonfinite is not None else 0), stop.signum
+    if first_nonfinite is None:  # the signal alone, over the host: never waits for a GPU's queue
+        flag = torch.tensor([float(stop.signum or 0)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=signal_group)
+        return 0, int(flag[0]) or None
+    earliest = torch.where(first_nonfinite > 0, NEVER - first_nonfinite, 0).double()
+    flags = torch.stack([earliest, torch.tensor(float(stop.signum or 0), dtype=torch.float64,
+                                                device=accelerator.device)])
+    # MAX: the earliest NaN anywhere stops everyone; SIGTERM (15, a scheduler) wins over SIGINT (2)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    return bool(flags[0] > 0), int(flags[1]) or None
+    first = int(NEVER - flags[0]) if flags[0] > 0 else 0
+    return first, int(flags[1]) or None

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
+from .attention import dense_mask_warning, flex_unavailable
+from .attention import with_implementation as attention_for
 from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
-                          configure_threads, local_parameter_elements, patience, verify_launch,
+                          configure_threads, host_transfer, local_parameter_elements, patience, verify_launch,
                           world_size_from_env)
 from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
-from .fastpath import apply_fast_paths
+from .fastpath import apply_fast_paths, compile_layers
 from .launcher import check_launcher_agrees
 from .lm_loss import full_logits_loss_sum, lm_loss_sum
 from . import heap
@@ -38,7 +40,7 @@ from .quiet import quiet_libraries
 from .recipe import Recipe
 from .resume import check_resume
 from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder
-from .stopping import StopRequest, agree
+from .stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from .strategies import Layout, nodes_from_env
 from .strategies import resolve as resolve_layout
 
@@ -92,7 +94,12 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
     tokenizer, model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once, used twice
-    warnings = [*precision.warnings, *preflight(recipe, tokenizer, model_config, resume)]
+    requested_attn = recipe.model.attn
+    flex_problem = (flex_unavailable(model_config, getattr(torch, compute_dtype_of(recipe)))
+                    if requested_attn == "auto" and local_kind() == "cuda" and recipe.data.packing else None)
+    recipe, attention = attention_for(recipe, local_kind(), flex_problem=flex_problem)  # how packed rows stay apart
+    warnings = [*precision.warnings, *filter(None, [dense_mask_warning(attention, local_kind())]),
+                *preflight(recipe, tokenizer, model_config, resume)]
     # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
     requested = recipe.distributed.strategy
     recipe, layout, why = resolve_layout(recipe, world_size_from_env(), nodes_from_env())
@@ -116,9 +123,9 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
             # saved as asked (`auto` stays auto: a resume on another world size chooses again)
-            recipe.override(distributed__strategy=requested).save(run.recipe)
+            recipe.override(distributed__strategy=requested, model__attn=requested_attn).save(run.recipe)
             start = {"status": "running", "strategy": layout.strategy, "strategy_reason": why,
-                     "layout": layout.to_json(), **precision.to_json(),
+                     "layout": layout.to_json(), **precision.to_json(), **attention.to_json(),
                      "threads": threads, "threads_reason": threads_why, "warnings": warnings}
             if changes:
                 latest = run.latest_checkpoint()
@@ -188,9 +195,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     sampler = EpochSampler(len(data.train), seed=cfg.seed)
     # Its own generator: creating a loader iterator must not draw from the global RNG that dropout
     # uses, or a resumed run (which creates one more iterator) would drift from an uninterrupted one.
+    pinned = host_transfer(accelerator.device.type)["pin_memory"]  # page-locked batches copy to a GPU asynchronously
     train_loader = DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
-                              generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = (DataLoader(data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate)
+                              generator=torch.Generator().manual_seed(cfg.seed), pin_memory=pinned)
+    eval_loader = (DataLoader(data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate, pin_memory=pinned)
                    if data.eval is not None else None)
 
     # -- model and optimizer ------------------------------------------------------------------
@@ -199,12 +207,14 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     model = attach_adapter(load_base_model(recipe), recipe)
     if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
         apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
+    if cfg.compile:
+        compile_layers(model)
     loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
     ensure_trainable(model)
     total_params, trainable_params = count_parameters(model)
     check_disk_space(recipe, trainable_params)
     flop_counter = FlopCounter(model, model.config)
-    optimizer = build_optimizer(model, recipe)
+    optimizer = build_optimizer(model, recipe, accelerator.device.type)
     latest = run.latest_checkpoint() if resume else None
     plan = (checkpoints.plan_resume(latest[1], layout, accelerator.num_processes, cfg.micro_batch_size,
                                     len(data.train), model) if latest else None)
@@ -263,6 +273,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
     heartbeat.in_loop = True
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading else nullcontext
+    watch = NonFiniteWatch(accelerator.device)
+    reads_every_step = host_reads_every_step(accelerator.device.type, cfg.on_nonfinite)
+    signal_group = (host_group(recipe.distributed.timeout_s)  # stop signals agreed without waiting for the GPU
+                    if accelerator.num_processes > 1 and not reads_every_step else None)
     while state.step < total_steps:
         train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
         batches = (accelerator.skip_first_batches(train_loader, state.batches_in_epoch)
@@ -279,19 +293,24 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                     # gradients over ranks, so scale by the world size to undo that mean.
                     accelerator.backward(loss_sum * accelerator.num_processes / targets.clamp(min=1))
                 step_loss += loss_sum.detach()
-                tokens = int(batch["num_tokens"])
-                window_tokens += tokens
-                state.flops += flop_counter.step_flops(tokens, int(batch["num_attended"]))
+                # counted by the collator on the host: no device read per micro-batch
+                window_tokens += batch["num_tokens"]
+                state.flops += flop_counter.step_flops(batch["num_tokens"], batch["num_attended"])
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            nonfinite, signum = agree(accelerator, not _finite(step_loss, grad_norm), stop)
-            if nonfinite and cfg.on_nonfinite == "stop":
-                raise NonFiniteError(_nonfinite_message(run, state.step + 1, step_loss, grad_norm))
-            if nonfinite:  # on_nonfinite: skip — drop this update, keep the schedule
+            watch.observe(state.step + 1, step_loss, grad_norm)
+            decides = reads_every_step or _reports_after(state.step + 1, total_steps, recipe.output)
+            first_bad, signum = agree(accelerator, watch.first if decides else None, stop, signal_group)
+            if signum and not decides:  # stopping here: the checkpoint it writes must be checked first
+                first_bad, signum = agree(accelerator, watch.first, stop)
+            if first_bad and cfg.on_nonfinite == "stop":
+                raise NonFiniteError(_nonfinite_message(run, first_bad, state.step + 1, step_loss, grad_norm))
+            if first_bad:  # on_nonfinite: skip (read every step) — drop this update, keep the schedule
+                watch.reset()
                 state.skipped_steps += 1
                 if state.skipped_steps > max(MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION * (state.step + 1)):
                     raise NonFiniteError(f"training.on_nonfinite: skip dropped {state.skipped_steps} of "
                                          f"{state.step + 1} steps: the run is not training. "
-                                         + _nonfinite_message(run, state.step + 1, step_loss, grad_norm))
+                                         + _nonfinite_message(run, first_bad, state.step + 1, step_loss, grad_norm))
                 metrics.write({"step": state.step + 1, "skipped": "non-finite loss or gradients"})
             else:
                 optimizer.step()
@@ -419,13 +438,16 @@ def evaluate(model, loader, accelerator, loss_sum_of=lm_loss_sum) -> float | Non
     return round((loss / targets.clamp(min=1)).item(), 6)
 
 
-def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
+def adamw_kernel(device_type: str) -> dict:
+    """One fused kernel for the whole update on a GPU; the multi-tensor (foreach) path elsewhere."""
+    return {"fused": True} if device_type == "cuda" else {"foreach": True}
+
+
+def build_optimizer(model, recipe: Recipe, device_type: str = "cpu") -> torch.optim.Optimizer:
     cfg = recipe.training
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
-        # fused kernels on GPUs; foreach (multi-tensor) elsewhere
-        fast = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **adamw_kernel(device_type))
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
@@ -464,18 +486,21 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 6)
 
 
-def _finite(step_loss: torch.Tensor, grad_norm) -> bool:
-    finite = torch.isfinite(step_loss)
-    if isinstance(grad_norm, torch.Tensor):  # DeepSpeed clips inside its engine and returns None
-        finite &= torch.isfinite(grad_norm)
-    return bool(finite)
+def _reports_after(step: int, total_steps: int, output) -> bool:
+    """Whether this step writes a metrics row, evaluates, checkpoints or ends the run."""
+    return step == total_steps or any(every and step % every == 0
+                                      for every in (output.log_every, output.eval_every, output.save_every))
 
 
-def _nonfinite_message(run: RunDir, step: int, step_loss: torch.Tensor, grad_norm) -> str:
+def _nonfinite_message(run: RunDir, first_bad: int, step: int, step_loss: torch.Tensor, grad_norm) -> str:
     latest = run.latest_checkpoint()
     kept = f"the last good checkpoint, {latest[1].name}, is kept" if latest else "no checkpoint was saved before it"
-    norm = f", gradient norm {float(grad_norm)}" if isinstance(grad_norm, torch.Tensor) else ""
-    return (f"training.step {step}: the loss or gradients are not finite (loss sum {float(step_loss)}{norm}); "
+    if first_bad == step:
+        norm = f", gradient norm {float(grad_norm)}" if isinstance(grad_norm, torch.Tensor) else ""
+        seen = f" (loss sum {float(step_loss)}{norm})"
+    else:  # a GPU run checks at the steps that log, evaluate or checkpoint (stopping.host_reads_every_step)
+        seen = f" (found at step {step}'s check)"
+    return (f"training.step {first_bad}: the loss or gradients are not finite{seen}; "
             f"{kept}. Lower training.lr, check the data, or set training.on_nonfinite: skip")
 
 

@@ -67,6 +67,7 @@ class ModelInfo:
     checkpoint_dtype: str  # dtype the weights are published in
     checkpoint_bytes: int | None  # size of the local weight files, when there are any
     context: int | None = None  # the longest sequence its positions cover (max_position_embeddings)
+    flex_attention: bool = True  # whether its transformers class runs FlexAttention
 
     @property
     def linear_params(self) -> int:
@@ -137,6 +138,7 @@ def describe_model(path: str, revision: str | None = None, trust_remote_code: bo
         .replace("torch.", ""),
         checkpoint_bytes=sum(f.stat().st_size for f in weight_files) if weight_files else None,
         context=getattr(text, "max_position_embeddings", None),
+        flex_attention=bool(getattr(type(model), "_supports_flex_attn", False)),
     )
 
 
