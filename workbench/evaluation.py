@@ -195,7 +195,7 @@ def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: 
         chunk = samples[start:start + batch_size]
         batch = collate([{"input_ids": e.input_ids, "labels": e.labels,
                           "position_ids": list(range(len(e.input_ids)))} for e in chunk])
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         loss_sum += float(lm_loss_sum(model, batch))
         targets += int((batch["labels"] != IGNORE).sum())
     return loss_sum, targets
