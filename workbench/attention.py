@@ -48,24 +48,36 @@ def flex_attention_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-def resolve(recipe, device_kind: str, here: bool = True, flex_ok: bool = True) -> Attention:
+def resolve(recipe, device_kind: str, here: bool = True, flex_problem: str | None = None) -> Attention:
     """The kernel a run of `recipe` uses on a device of this kind ("cpu" or "cuda"), or RecipeError naming
     model.attn when the one asked for cannot train there. here=False (an estimate for another machine): the
-    packages installed in this process are not checked. flex_ok: whether the model's class runs FlexAttention
-    and (on this GPU) its backward runs: see flex_unavailable()."""
+    packages installed in this process are not checked. flex_problem: why FlexAttention cannot serve this model
+    here (flex_problem_for_run), named in the reason."""
     asked, packing, gpu = recipe.model.attn, recipe.data.packing, device_kind == "cuda"
     if asked == AUTO:
-        if gpu and packing and flex_attention_available() and flex_ok:
+        if gpu and packing and not flex_attention_available():
+            flex_problem = "this torch has no FlexAttention"
+        if gpu and packing and flex_problem is None:
             implementation, why = "flex_attention", "auto: packed rows on a GPU take FlexAttention's document mask"
         elif gpu and packing:
-            implementation, why = "sdpa", "auto: FlexAttention is not available for this model or GPU; " \
-                                          "packed rows get a dense mask"
+            implementation, why = "sdpa", f"auto: {flex_problem}; sdpa"
         else:
             implementation, why = "sdpa", f"auto: sdpa on {'a GPU without packing' if gpu else 'a CPU'}"
     else:
         implementation, why = asked, "model.attn"
         check_trainable(implementation, device_kind, here)
     return Attention(implementation, packed_rows_of(implementation, device_kind, recipe), why)
+
+
+def flex_problem_for_run(recipe, model_config, device_kind: str) -> str | None:
+    """Why `auto` should not give this run's packed rows to FlexAttention (None: it may, or it is not asked)."""
+    if recipe.model.attn != AUTO or device_kind != "cuda" or not recipe.data.packing:
+        return None
+    import torch
+
+    from .precision import compute_dtype_of
+
+    return flex_unavailable(model_config, getattr(torch, compute_dtype_of(recipe)))
 
 
 def flex_unavailable(model_config, dtype) -> str | None:
@@ -180,9 +192,6 @@ def mask_bytes(attention: Attention, rows: int, length: int, compute_bytes: int,
 
 
 def with_implementation(recipe, device_kind: str, here: bool = True, flex_problem: str | None = None):
-    """The recipe with model.attn resolved for this device, and the decision (a concrete attn stays as is).
-    flex_problem: why FlexAttention cannot serve this model here (flex_unavailable), named in the reason."""
-    attention = resolve(recipe, device_kind, here, flex_ok=flex_problem is None)
-    if flex_problem and recipe.model.attn == AUTO and attention.packed_rows == "dense_mask":
-        attention = Attention(attention.implementation, attention.packed_rows, f"auto: {flex_problem}; sdpa")
+    """The recipe with model.attn resolved for this device, and the decision (a concrete attn stays as is)."""
+    attention = resolve(recipe, device_kind, here, flex_problem)
     return recipe.override(model__attn=attention.implementation), attention

@@ -399,7 +399,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     checkpointed = resid * h  # only the layer input survives; backward recomputes the rest
     saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
     # packed rows: the mask the kernel needs, built once per forward and kept for backward (attention.py)
-    kernel = resolve_attention(recipe, "cuda" if on_gpu else "cpu", here=False, flex_ok=info.flex_attention)
+    kernel = resolve_attention(recipe, "cuda" if on_gpu else "cpu", here=False)  # model.attn resolved already
     saved += mask_bytes(kernel, train.micro_batch_size, recipe.data.max_seq_len, a,
                         1 if train.gradient_checkpointing else info.layers)
     # Full logits: fp32 log-probabilities, the gradient flowing into them and the one they produce (more

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from .attention import dense_mask_warning, flex_unavailable
+from .attention import dense_mask_warning, flex_problem_for_run
 from .attention import with_implementation as attention_for
 from .data import IGNORE, Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
@@ -95,9 +95,8 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
     tokenizer, model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once, used twice
     requested_attn = recipe.model.attn
-    flex_problem = (flex_unavailable(model_config, getattr(torch, compute_dtype_of(recipe)))
-                    if requested_attn == "auto" and local_kind() == "cuda" and recipe.data.packing else None)
-    recipe, attention = attention_for(recipe, local_kind(), flex_problem=flex_problem)  # how packed rows stay apart
+    recipe, attention = attention_for(recipe, local_kind(),  # the kernel, and how packed rows stay apart
+                                      flex_problem=flex_problem_for_run(recipe, model_config, local_kind()))
     warnings = [*precision.warnings, *filter(None, [dense_mask_warning(attention, local_kind())]),
                 *preflight(recipe, tokenizer, model_config, resume)]
     # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
