@@ -32,7 +32,7 @@ def main(basetemp: str) -> None:
     root = next(Path(basetemp).glob("matrix*[0-9]"))
     print("| layout | method | grad_accum | max rel. loss diff | max abs. adapter diff |\n|---|---|---|---|---|")
     for layout in ("ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp_hybrid"):
-        for method in ("lora", "qlora"):
+        for method in ("lora", "qlora", "dpo", "orpo"):
             for ga in (1, 2):
                 cell = root / f"{layout}-{method}-ga{ga}"
                 if (cell / "adapter").exists():

@@ -4,6 +4,8 @@
     python bench/peers.py --job smollm2 --repeats 2         # SmolLM2-135M-Instruct (~12 minutes)
     python bench/peers.py --quick                           # a smoke run with a tiny model (~30 s)
     python bench/peers.py --job smollm2 --tools workbench,workbench-baseline,trl,plain   # + fast paths off
+    python bench/peers.py --objective dpo --job smollm2     # DPO: workbench vs TRL's DPOTrainer (~10 minutes)
+    python bench/peers.py --objective dpo --quick           # the DPO smoke run (~40 s)
 
 Same model, data, LoRA configuration, tokens per optimizer step, maximum sequence length, one epoch,
 precision and threads for every tool: the precision the workbench's `auto` resolves to on this machine
@@ -21,6 +23,29 @@ the plain loop packs greedily with the same block-diagonal attention. `--batch` 
 unpacked TRL; the packing tools take `--packs` sequences of max_seq_len per step, the same tokens per
 step on average (see the steps column). The tool `workbench-baseline` is the same loop with
 `training.fast_paths=false` (the libraries' own attention, loss and LoRA paths): what the fast paths are worth.
+
+The DPO job (`--objective dpo`, with any --job or --quick): the same preference job with the workbench
+(`training.objective: dpo`, `data.format: preference`) and TRL's DPOTrainer, both LoRA through peft with the
+same configuration (dropout 0: TRL's DPO switches dropout off by default, `disable_dropout=True`), the same
+beta, sigmoid loss, the reference = the base model with the adapter switched off (no second copy), the same
+preference rows (peers_data.py: a right answer against a near miss, short and long mixed), the same pairs
+per optimizer step (`--batch`), max length per sequence (`max_seq_len`), one epoch, precision and threads.
+The goal: the workbench in at most 0.5x TRL's job time and at most its peak memory (the last line says
+whether it is met). Besides time and memory, each tool's own final train loss (the mean of its last 10
+per-step losses, from its own log) and the DPO loss and reward accuracy of the held-out pairs, computed for
+both by one function (peers_tools.eval_dpo: one pair at a time, no padding, the reference with the adapter off).
+The plain loop is left out of the DPO job (it is an SFT loop; a DPO loop of one's own is the workbench's
+objectives.py over again).
+
+TRL's settings for the DPO job, its fastest documented ones on a CPU (measured, SmolLM2-135M, 2 threads):
+no gradient checkpointing (DPOConfig's default is on: measured slower); `precompute_ref_log_probs=False`
+(precomputing runs the same reference forwards before the loop, in batches padded the same way, so the
+total is no lower; measured; `--trl-precompute` runs it); random sampling (`train_sampling_strategy=
+"group_by_length"` cannot read lengths from DPO's tokenized columns and fails; `--trl-sampling`);
+`padding_free` is unavailable in TRL 1.16 (DPOConfig says it warns and falls back to padding, so it is
+not set). Its fused LM head (log-probabilities without full logits) is TRL's default. The workbench runs
+unpacked by default in the DPO job, `micro_batch_size` = the same pairs per step as TRL's batches, so the
+steps are the same step for step (`--wb-packed` packs pairs instead, the same pairs per step on average).
 """
 
 from __future__ import annotations
@@ -51,8 +76,21 @@ JOBS = {
                    lr=2e-4),
     "quick": dict(model="builtin-quick", train_rows=48, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3),
 }
+# the DPO job (--objective dpo): preference pairs; batch = pairs per optimizer step for both tools; beta is DPO's
+DPO_JOBS = {
+    "builtin-512": dict(model="builtin-512", train_rows=192, eval_rows=32, max_seq_len=512, batch=8, packs=2,
+                        lr=5e-4, beta=0.1),
+    "smollm2": dict(model="builtin:smollm2-135m", train_rows=64, eval_rows=16, max_seq_len=512, batch=4, packs=1,
+                    lr=5e-5, beta=0.1),
+    "gpu-1b": dict(model="bench:llama3-1b", train_rows=512, eval_rows=16, max_seq_len=1024, batch=16, packs=4,
+                   lr=5e-5, beta=0.1),
+    "quick": dict(model="builtin-quick", train_rows=32, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3,
+                  beta=0.1),
+}
 LORA = dict(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
+DPO_LORA_DROPOUT = 0.0  # TRL's DPO switches dropout off (disable_dropout=True): both tools run without it
 TOOL_NAMES = ("workbench", "workbench-baseline", "trl", "plain")  # baseline: training.fast_paths=false
+DPO_TOOL_NAMES = ("workbench", "workbench-baseline", "trl")  # the plain loop is an SFT loop
 
 
 # -- the parent: build inputs, run the tools interleaved, print the table ---------------------------------
@@ -73,14 +111,17 @@ def resolve_model(name: str) -> str:
 
 
 def job_spec(args, work: Path) -> dict:
-    from peers_data import write_data
+    from peers_data import write_data, write_preference_data
 
-    job = {**JOBS["quick" if args.quick else args.job]}
-    for key in ("train_rows", "eval_rows", "max_seq_len", "batch", "packs", "lr"):
+    dpo = args.objective == "dpo"
+    job = {**(DPO_JOBS if dpo else JOBS)["quick" if args.quick else args.job]}
+    for key in ("train_rows", "eval_rows", "max_seq_len", "batch", "packs", "lr", "beta"):
         if getattr(args, key, None) is not None:
             job[key] = getattr(args, key)
-    train, evaluation = write_data(work / "data", job["train_rows"], job["eval_rows"])
-    spec = {**LORA, "model": resolve_model(job["model"]), "model_name": job["model"], "train": str(train),
+    write = write_preference_data if dpo else write_data
+    train, evaluation = write(work / "data", job["train_rows"], job["eval_rows"])
+    lora = {**LORA, "dropout": DPO_LORA_DROPOUT} if dpo else LORA
+    spec = {**lora, "model": resolve_model(job["model"]), "model_name": job["model"], "train": str(train),
             "eval": str(evaluation), "max_seq_len": job["max_seq_len"], "batch": job["batch"],
             "packs_per_step": job["packs"], "lr": job["lr"], "warmup_ratio": 0.05, "seed": 42,
             "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"],
@@ -89,6 +130,14 @@ def job_spec(args, work: Path) -> dict:
         spec["workbench_training"] = dict(_parse_override(o) for o in args.wb)
     spec["trl"] = {"gradient_checkpointing": args.trl_checkpointing, "train_sampling_strategy": args.trl_sampling,
                    "packing": not args.trl_unpacked}
+    spec["objective"] = args.objective
+    if dpo:
+        spec["beta"] = job["beta"]
+        spec["wb_packing"] = args.wb_packed
+        spec["micro_batch"] = args.micro_batch or job.get("micro_batch", 1)
+        if spec["batch"] % spec["micro_batch"]:
+            raise SystemExit(f"--batch {spec['batch']} must be a multiple of --micro-batch {spec['micro_batch']}")
+        spec["trl"]["precompute_ref_log_probs"] = args.trl_precompute
     return spec
 
 
@@ -175,7 +224,12 @@ def summarise(runs: list[dict], peaks: dict) -> dict:
 
     loop_s = best("loop_s")
     flops = runs[0]["flops"]
-    return {"tool": runs[0]["tool"], "settings": runs[0]["settings"], "repeats": len(runs),
+    dpo = {key: med(key) for key in ("eval_reward_accuracy", "eval_reward_margin") if key in runs[0]}
+    if "pairs" in runs[0]:
+        dpo["pairs"] = runs[0]["pairs"]
+    if runs[0].get("train_loss") is not None:
+        dpo["train_loss"] = med("train_loss")
+    return {**dpo, "tool": runs[0]["tool"], "settings": runs[0]["settings"], "repeats": len(runs),
             "process_s": best("process_s"), "job_s": best("job_s"), "loop_s": loop_s, "cpu_s": best("cpu_s"),
             "job_s_all": [r["job_s"] for r in runs], "tokens": runs[0]["tokens"], "steps": runs[0]["steps"],
             "tokens_per_s": runs[0]["tokens"] / loop_s, "peak_rss_mb": med("peak_rss_mb"),
@@ -185,6 +239,8 @@ def summarise(runs: list[dict], peaks: dict) -> dict:
 
 
 def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> None:
+    if spec.get("objective") == "dpo":
+        return print_dpo_table(spec, rows, peaks, loads)
     print(f"\njob: {spec['model_name']} | {spec['train_rows']} train rows, {spec['eval_rows']} held-out rows | "
           f"LoRA r={spec['r']} alpha={spec['alpha']} dropout={spec['dropout']} {spec['target_modules']} | "
           f"max_seq_len {spec['max_seq_len']} | {spec['batch']} samples/step (packing tools: "
@@ -208,31 +264,85 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
     for r in rows:
         if "error" not in r:
             print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")
+    print_outside(rows)
+    print_ratios(rows)
+
+
+def print_outside(rows: list[dict]) -> None:
     for r in rows:  # what a user waits for besides the loop: imports, loading, tokenizing, saving, estimates
         if "error" not in r:
             inside = f" (train() before its first step {r['startup_s']:.1f} s, after its last {r['finish_s']:.1f} s)" \
                 if r.get("startup_s") is not None else ""
             print(f"  outside the loop, {r['tool']}: {r['process_s'] - r['loop_s']:.1f} s of {r['process_s']:.1f} s{inside}")
-    print_ratios(rows)
 
 
-def print_ratios(rows: list[dict]) -> None:
+def print_dpo_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> None:
+    micro = spec.get("micro_batch", spec["batch"])
+    packing = f"{micro} per forward x {spec['batch'] // micro} accumulated"
+    if spec.get("wb_packing"):
+        packing += f"; workbench packed: {spec['packs_per_step']} packs of 2 x {spec['max_seq_len']}/step"
+    print(f"\nDPO job: {spec['model_name']} | {spec['train_rows']} train pairs, {spec['eval_rows']} held-out pairs | "
+          f"beta {spec['beta']} sigmoid, reference = base with the adapter off | LoRA r={spec['r']} "
+          f"alpha={spec['alpha']} dropout={spec['dropout']} {spec['target_modules']} | max_seq_len {spec['max_seq_len']} "
+          f"per sequence | {spec['batch']} pairs/step ({packing}) | lr {spec['lr']} cosine | 1 epoch | "
+          f"{spec['threads']} threads")
+    print(f"precision: {spec['model_dtype']} weights, autocast {spec['mixed_precision']} ({spec['precision_reason']})")
+    print(f"measured peak: bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s "
+          f"(1024² matmul, {spec['threads']} threads) | load average: {' -> '.join(loads)}")
+    print(f"{'tool':10} {'process s':>9} {'job s':>7} {'loop s':>7} {'cpu s':>7} {'steps':>5} {'pairs':>5} "
+          f"{'tokens':>7} {'tokens/s':>8} {'peak MB':>8} {'train loss':>10} {'eval loss':>9} {'eval acc':>8} "
+          f"{'MFU bf16':>8} {'MFU fp32':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tool']:10} failed: {r['error']}")
+            continue
+        train_loss = f"{r['train_loss']:>10.4f}" if r.get("train_loss") is not None else f"{'n/a':>10}"
+        print(f"{r['tool']:10} {r['process_s']:>9.1f} {r['job_s']:>7.1f} {r['loop_s']:>7.1f} {r['cpu_s']:>7.1f} "
+              f"{r['steps']:>5} {r['pairs']:>5} {r['tokens']:>7} {r['tokens_per_s']:>8.0f} {r['peak_rss_mb']:>8.0f} "
+              f"{train_loss} {r['eval_loss']:>9.4f} {100 * r['eval_reward_accuracy']:>7.1f}% "
+              f"{100 * r['mfu_bf16']:>7.1f}% {100 * r['mfu_fp32']:>7.1f}%")
+    print("(times: best of the repeats; memory and losses: medians; job = load model, prepare data, one epoch, save "
+          "adapter; loop = the training loop; cpu = CPU seconds of the whole process, shared evaluation included; "
+          "tokens = real tokens of both sequences of every pair; tokens/s = tokens / loop s; peak = process peak RSS "
+          "when the job ended on a CPU, max_memory_allocated on a GPU; train loss = the tool's own per-step DPO loss, "
+          "mean of its last 10 steps; eval loss / acc = DPO loss and reward accuracy (chosen reward > rejected) of the "
+          "held-out pairs, one shared function; MFU counts the reference forward where it runs in the loop)")
+    for r in rows:
+        if "error" not in r:
+            print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")
+    print_outside(rows)
+    print_ratios(rows, dpo=True)
+
+
+def print_ratios(rows: list[dict], dpo: bool = False) -> None:
     by_tool = {r["tool"]: r for r in rows if "error" not in r}
     pairs = [(a, b) for a in ("workbench", "workbench-baseline") for b in ("trl", "plain") if a in by_tool and b in by_tool]
     for name, peer in pairs:
         ours, other = by_tool[name], by_tool[peer]
         loss = 100 * (ours["eval_loss"] / other["eval_loss"] - 1)
-        print(f"{name}/{peer}: process time {ours['process_s'] / other['process_s']:.2f}x, "
-              f"job time {ours['job_s'] / other['job_s']:.2f}x, loop time {ours['loop_s'] / other['loop_s']:.2f}x, "
-              f"cpu time {ours['cpu_s'] / other['cpu_s']:.2f}x, "
-              f"tokens/s {ours['tokens_per_s'] / other['tokens_per_s']:.2f}x, "
-              f"peak memory {ours['peak_rss_mb'] / other['peak_rss_mb']:.2f}x, eval loss {loss:+.1f}%")
+        line = (f"{name}/{peer}: process time {ours['process_s'] / other['process_s']:.2f}x, "
+                f"job time {ours['job_s'] / other['job_s']:.2f}x, loop time {ours['loop_s'] / other['loop_s']:.2f}x, "
+                f"cpu time {ours['cpu_s'] / other['cpu_s']:.2f}x, "
+                f"tokens/s {ours['tokens_per_s'] / other['tokens_per_s']:.2f}x, "
+                f"peak memory {ours['peak_rss_mb'] / other['peak_rss_mb']:.2f}x, eval loss {loss:+.1f}%")
+        if dpo:
+            accuracy = 100 * (ours["eval_reward_accuracy"] - other["eval_reward_accuracy"])
+            line += f", eval reward accuracy {accuracy:+.1f} points"
+        print(line)
+    if dpo and "workbench" in by_tool and "trl" in by_tool:
+        ours, other = by_tool["workbench"], by_tool["trl"]
+        time_ratio, memory_ratio = ours["job_s"] / other["job_s"], ours["peak_rss_mb"] / other["peak_rss_mb"]
+        print(f"goal (workbench job time <= 0.5x TRL's, peak memory <= TRL's): time {time_ratio:.2f}x "
+              f"{'met' if time_ratio <= 0.5 else 'NOT met'}, memory {memory_ratio:.2f}x "
+              f"{'met' if memory_ratio <= 1 else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", choices=[j for j in JOBS if j != "quick"], default="builtin-512")
     parser.add_argument("--quick", action="store_true", help="a tiny model and a few rows: a smoke run")
+    parser.add_argument("--objective", choices=["sft", "dpo"], default="sft",
+                        help="dpo: the job's preference version, workbench vs TRL's DPOTrainer (no plain loop)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tools", help="comma-separated, from workbench,workbench-baseline,trl,plain (default: "
                         "workbench,trl,plain)")
@@ -243,11 +353,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, help="samples per optimizer step (TRL, unpacked)")
     parser.add_argument("--packs", type=int, help="packed sequences per optimizer step (workbench, plain)")
     parser.add_argument("--lr", type=float)
+    parser.add_argument("--beta", type=float, help="DPO's beta (--objective dpo)")
+    parser.add_argument("--micro-batch", dest="micro_batch", type=int,
+                        help="DPO: pairs per forward for both tools, accumulated to --batch pairs per step (default 1: "
+                        "no padding between pairs, the fastest for both on a CPU)")
     parser.add_argument("--trl-checkpointing", action="store_true",
                         help="gradient checkpointing, TRL's own default (slower, leaner); off by default: faster")
     parser.add_argument("--trl-unpacked", action="store_true",
                         help="TRL without its packing (padded batches of --batch samples); packed is its fastest here")
     parser.add_argument("--trl-sampling", default="random", choices=["random", "group_by_length"])
+    parser.add_argument("--trl-precompute", action="store_true",
+                        help="DPO: TRL's precompute_ref_log_probs=True (reference log-probs before the loop)")
+    parser.add_argument("--wb-packed", action="store_true",
+                        help="DPO: the workbench packs pairs (--packs per step) instead of --batch pairs per step")
     parser.add_argument("--wb", action="append", default=[], metavar="KEY=VALUE",
                         help="extra workbench training.* setting, e.g. --wb gradient_checkpointing=true")
     parser.add_argument("--out", help="also write the per-run and summary rows to this JSON file")
@@ -259,10 +377,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         return reprint(Path(args.table))
 
-    tools = args.tools.split(",") if args.tools else [t for t in TOOL_NAMES if t != "workbench-baseline"]
-    unknown = [t for t in tools if t not in TOOL_NAMES]
+    known = DPO_TOOL_NAMES if args.objective == "dpo" else TOOL_NAMES
+    tools = args.tools.split(",") if args.tools else [t for t in known if t != "workbench-baseline"]
+    unknown = [t for t in tools if t not in known]
     if unknown:
-        parser.error(f"unknown tool(s) {unknown}; known: {', '.join(TOOL_NAMES)}")
+        parser.error(f"unknown tool(s) {unknown} for --objective {args.objective}; known: {', '.join(known)}")
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = Path(tmp)
         spec = job_spec(args, work)

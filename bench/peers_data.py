@@ -1,8 +1,14 @@
-"""The benchmark's inputs, built offline and deterministically: an instruction data set and a scaled-up model.
+"""The benchmark's inputs, built offline and deterministically: an instruction data set, a preference data set
+and a scaled-up model.
 
-The data set mixes what real instruction sets mix: many short answers (arithmetic, one-line facts), long
+The instruction set mixes what real instruction sets mix: many short answers (arithmetic, one-line facts), long
 ones (stories, explanations, code), and long prompts with short answers (summaries). Its content follows
 templates, so a model can learn it and the eval loss moves.
+
+The preference set (for the DPO job) pairs a right answer with a near miss over the same mix of lengths: a sum,
+product or capital one digit or one city off (short), a long text summarised as the wrong thing (long prompt,
+short answers), a running sum that slips at one step and carries the error on (long answers), and code with one
+bug (long answers). Rows are {"prompt", "chosen", "rejected"} texts.
 """
 
 from __future__ import annotations
@@ -120,6 +126,94 @@ def write_data(folder: Path, train_rows: int, eval_rows: int) -> tuple[Path, Pat
     return (write_jsonl(folder / "train.jsonl", make_rows(train_rows, seed=1)),
             write_jsonl(folder / "eval.jsonl", make_rows(eval_rows, seed=2)))
 
+
+
+# -- preference pairs: a right answer and a near miss --------------------------------------------------
+
+BUGS = {  # function -> (correct text, buggy text): one token's difference, as a near miss should be
+    "total": ("result += x", "result = x"),
+    "average": ("/ len(items)", "/ (len(items) + 1)"),
+    "largest": ("if x > best", "if x < best"),
+    "smallest": ("if x < best", "if x > best"),
+    "count_even": ("x % 2 == 0", "x % 2 == 1"),
+    "reverse": ("items[::-1]", "items[1:]"),
+    "squares": ("x * x", "x + x"),
+    "unique": ("if x not in seen", "if x in seen"),
+}
+
+
+def near_miss(rng: random.Random, value: int) -> int:
+    return value + rng.choice([-10, -2, -1, 1, 2, 10])
+
+
+def arithmetic_pair(rng: random.Random) -> tuple[str, str, str]:
+    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    op, sign, value = rng.choice([("plus", "+", a + b), ("minus", "-", a - b), ("times", "*", a * b)])
+    return f"What is {a} {op} {b}?", f"{a} {sign} {b} = {value}.", f"{a} {sign} {b} = {near_miss(rng, value)}."
+
+
+def capital_pair(rng: random.Random) -> tuple[str, str, str]:
+    country, other = rng.sample(list(FACTS), 2)
+    return (f"What is the capital of {country}?", f"The capital of {country} is {FACTS[country]}.",
+            f"The capital of {country} is {FACTS[other]}.")
+
+
+def summary_pair(rng: random.Random, sentences: int) -> tuple[str, str, str]:
+    topic, other = rng.sample(THINGS, 2)
+    text = " ".join(sentence(rng, topic) for _ in range(sentences))
+    return (f"Summarise this text in one sentence.\n\n{text}", f"The text explains how the parts of {topic} work together.",
+            f"The text explains how the parts of {other} work together.")
+
+
+def running_sum_pair(rng: random.Random, count: int) -> tuple[str, str, str]:
+    numbers = [rng.randint(2, 99) for _ in range(count)]
+    slip = rng.randrange(1, count)  # the step the rejected answer gets wrong; the error carries on from there
+    lines, wrong_lines, total, wrong = [], [], numbers[0], numbers[0]
+    for i, x in enumerate(numbers[1:], start=1):
+        lines.append(f"{total} + {x} = {total + x}.")
+        right_next = wrong + x
+        wrong_next = near_miss(rng, right_next) if i == slip else right_next
+        wrong_lines.append(f"{wrong} + {x} = {wrong_next}.")
+        total, wrong = total + x, wrong_next
+    prompt = f"Add these numbers step by step: {', '.join(map(str, numbers))}."
+    return (prompt, "\n".join(lines) + f"\nThe total is {total}.", "\n".join(wrong_lines) + f"\nThe total is {wrong}.")
+
+
+def code_pair(rng: random.Random, functions: int) -> tuple[str, str, str]:
+    prompt, answer = code(rng, functions)
+    name = rng.choice([n for n in BUGS if f"def {n}(" in answer])
+    start = answer.index(f"def {name}(")
+    right, buggy = BUGS[name]
+    at = answer.index(right, start)
+    return prompt, answer, answer[:at] + buggy + answer[at + len(right):]
+
+
+def make_preference_row(rng: random.Random) -> dict:
+    """One pair; the mix sets the spread of lengths (half short, a long tail up to and past 512 tokens)."""
+    kind = rng.random()
+    if kind < 0.30:
+        prompt, chosen, rejected = arithmetic_pair(rng)
+    elif kind < 0.45:
+        prompt, chosen, rejected = capital_pair(rng)
+    elif kind < 0.60:
+        prompt, chosen, rejected = summary_pair(rng, rng.randint(3, 12))
+    elif kind < 0.80:
+        prompt, chosen, rejected = running_sum_pair(rng, rng.randint(3, 30))
+    else:
+        prompt, chosen, rejected = code_pair(rng, rng.randint(1, 5))
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def make_preference_rows(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [make_preference_row(rng) for _ in range(count)]
+
+
+def write_preference_data(folder: Path, train_rows: int, eval_rows: int) -> tuple[Path, Path]:
+    """train.jsonl and eval.jsonl of preference rows; eval rows come from another seed (held out, same mix)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return (write_jsonl(folder / "train.jsonl", make_preference_rows(train_rows, seed=1)),
+            write_jsonl(folder / "eval.jsonl", make_preference_rows(eval_rows, seed=2)))
 
 # -- the scaled-up builtin model -----------------------------------------------------------------
 

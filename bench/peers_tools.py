@@ -1,9 +1,11 @@
-"""One tool, one job, in this process: lora-workbench, TRL's SFTTrainer, or a plain PyTorch + peft loop.
+"""One tool, one job, in this process: lora-workbench, TRL's SFTTrainer or DPOTrainer, or a plain PyTorch + peft loop.
 
 `python bench/peers.py` starts each tool in a process of its own (peak RSS is a per-process high-water mark)
 through `run_tool(spec)`, which returns what every tool reports the same way: the job's wall time (load,
 prepare, one epoch, save), the training loop's time, real tokens, peak RSS when training ended, model FLOPs
-and the eval loss on the held-out rows, computed by one shared function for all three tools.
+and the eval loss on the held-out rows, computed by one shared function for all tools (for the DPO job: the
+DPO loss and reward accuracy of the held-out pairs against the base model, `eval_dpo`, plus each tool's own
+final train loss from its own per-step log).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ SETTINGS = {
            "prompt-completion rows (completion-only loss), fused LM head (TRL's default)",
     "plain": "greedy packing, position_ids restart per sample (block-diagonal attention), {packs} packs per step, "
              "full logits + F.cross_entropy",
+    "workbench-dpo": "objective: dpo, beta {beta}, reference = the base with the adapter off, {batching}",
+    "trl-dpo": "DPOTrainer, per_device_train_batch_size={micro} x gradient_accumulation_steps={accumulate} = {batch} "
+               "pairs per step (chosen and rejected padded into one batch), "
+               "gradient_checkpointing={gradient_checkpointing}, precompute_ref_log_probs={precompute_ref_log_probs}, "
+               "train_sampling_strategy={train_sampling_strategy}, padding_free=False (unavailable in TRL {version}), "
+               "reference = the base with the adapter off (peft), fused LM head (TRL's default), "
+               "disable_dropout=True (TRL's default)",
 }
 
 
@@ -137,19 +146,26 @@ def finish(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, steps
 def workbench_recipe(spec: dict):
     from workbench import Recipe
 
+    dpo = spec.get("objective") == "dpo"
+    packing = spec.get("wb_packing", True) if dpo else True
+    # DPO unpacked: micro-batches of `micro_batch` pairs, accumulated to exactly the job's pairs per step
+    micro_batch = spec["packs_per_step"] if packing else spec.get("micro_batch", spec["batch"])
+    accumulate = 1 if packing or not dpo else spec["batch"] // micro_batch
+    objective = {"objective": "dpo", "dpo_beta": spec["beta"]} if dpo else {}
     return Recipe.from_dict({
         "name": "peers-workbench",
         "model": {"path": spec["model"], "dtype": spec["model_dtype"], "attn": "auto"},
         "adapter": {"method": "lora", "r": spec["r"], "alpha": spec["alpha"], "dropout": spec["dropout"],
                     "target_modules": spec["target_modules"]},
-        "data": {"train": spec["train"], "format": "chat", "max_seq_len": spec["max_seq_len"], "packing": True,
-                 "train_on": "completions"},
-        "training": {"epochs": 1, "micro_batch_size": spec["packs_per_step"], "grad_accum": 1, "lr": spec["lr"],
+        "data": {"train": spec["train"], "format": "preference" if dpo else "chat", "max_seq_len": spec["max_seq_len"],
+                 "packing": packing, "train_on": "completions"},
+        "training": {"epochs": 1, "micro_batch_size": micro_batch, "grad_accum": accumulate, "lr": spec["lr"],
                      "scheduler": "cosine", "warmup_ratio": spec["warmup_ratio"], "max_grad_norm": 1.0,
                      "mixed_precision": spec["mixed_precision"], "seed": spec["seed"], "threads": spec["threads"],
-                     **spec.get("workbench_training", {})},
+                     **objective, **spec.get("workbench_training", {})},
+        # DPO: a row per step, so each tool's final train loss is read from its own log the same way
         "output": {"dir": str(Path(spec["out"]) / "{name}"), "save_every": None, "eval_every": None,
-                   "log_every": 10, "sample_prompts": []},
+                   "log_every": 1 if dpo else 10, "sample_prompts": []},
     })
 
 
@@ -157,6 +173,8 @@ def run_workbench(spec: dict) -> dict:
     import workbench as wb
     from peft import PeftModel
 
+    if spec.get("objective") == "dpo":
+        return run_workbench_dpo(spec)
     baseline = spec["tool"] == "workbench-baseline"
     started = time.perf_counter()
     recipe = workbench_recipe(spec)
@@ -186,6 +204,8 @@ def run_trl(spec: dict) -> dict:
     import datasets
     from trl import SFTConfig, SFTTrainer
 
+    if spec.get("objective") == "dpo":
+        return run_trl_dpo(spec)
     started = time.perf_counter()
     tokenizer = load_tokenizer(spec)
     train = datasets.Dataset.from_list([prompt_completion(r) for r in read_rows(spec["train"])])
@@ -294,6 +314,171 @@ def run_plain(spec: dict) -> dict:
     settings = SETTINGS["plain"].format(packs=size)
     return finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings)
 
+
+
+# -- the DPO job: workbench (objective: dpo) and TRL's DPOTrainer ------------------------------------
+
+
+def conversational_pair(row: dict) -> dict:
+    """A {"prompt", "chosen", "rejected"} text row in TRL's conversational preference layout, so its chat template
+    renders the pair as the workbench's does (a user turn, then the assistant's answer)."""
+    return {"prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}]}
+
+
+def reference_pairs(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
+    """Pairs tokenized one way for every tool (the workbench's: chat template, loss on the answers, each sequence
+    truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second."""
+    from workbench.data import tokenize_row
+    from workbench.recipe import DataSection
+
+    cfg = DataSection(train="unused", format="preference", max_seq_len=spec["max_seq_len"], train_on="completions")
+    return [tokenize_row(row, tokenizer, cfg, f"row {i}") for i, row in enumerate(rows)]
+
+
+def pair_lengths(pairs: list[dict]) -> list[int]:
+    """The lengths of the sequences the pairs hold (two each): what the FLOPs are counted over."""
+    lengths = []
+    for pair in pairs:
+        second = pair["position_ids"].index(0, 1)
+        lengths += [second, len(pair["input_ids"]) - second]
+    return lengths
+
+
+def sequence_logps(model, pair: dict) -> torch.Tensor:
+    """[chosen, rejected]: each answer's summed token log-probability, both sequences in one forward (positions
+    restart at the second, so it attends only to itself)."""
+    ids = torch.tensor([pair["input_ids"]], device=model.device)
+    positions = torch.tensor(pair["position_ids"], device=model.device)
+    logits = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits[0, :-1].float()
+    labels = torch.tensor(pair["labels"][1:], device=model.device)
+    keep = (labels != IGNORE) & (positions[1:] == positions[:-1] + 1)  # no target crosses into the next sequence
+    token_logps = logits.log_softmax(-1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1) * keep
+    sample = (positions[1:] == 0).long().cumsum(0)  # 0: chosen, 1: rejected
+    return torch.zeros(2, device=model.device).index_add(0, sample, token_logps)
+
+
+@torch.no_grad()
+def eval_dpo(model, pairs: list[dict], spec: dict) -> dict:
+    """The DPO loss (sigmoid, beta of the job), reward margin and reward accuracy of the held-out pairs, one pair at
+    a time (no padding); the reference is the same peft model with its adapter off, as both tools train against."""
+    model.eval()
+    beta = spec["beta"]
+    losses, margins, correct = [], [], 0
+    for pair in pairs:
+        with autocast(spec):
+            policy = sequence_logps(model, pair)
+            with model.disable_adapter():
+                reference = sequence_logps(model, pair)
+        chosen, rejected = beta * (policy - reference)
+        margin = float(chosen - rejected)
+        losses.append(float(-F.logsigmoid(torch.tensor(margin))))
+        margins.append(margin)
+        correct += chosen > rejected
+    count = max(len(pairs), 1)
+    return {"eval_loss": round(sum(losses) / count, 5), "eval_reward_accuracy": round(float(correct) / count, 4),
+            "eval_reward_margin": round(sum(margins) / count, 5)}
+
+
+def last_steps_mean(losses: list[float], last: int = 10) -> float | None:
+    """A tool's final train loss: the mean of its last `last` per-step losses (one step is too noisy)."""
+    tail = [x for x in losses if x is not None][-last:]
+    return round(sum(tail) / len(tail), 5) if tail else None
+
+
+def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, steps: int, pairs: int, model,
+               lengths: list[int], settings: str, step_losses: list[float], reference_in_loop: bool = True) -> dict:
+    """What both tools report for the DPO job, the held-out figures computed the same way for both."""
+    from workbench.metrics import FlopCounter
+
+    tokenizer = load_tokenizer(spec)
+    figures = eval_dpo(model, reference_pairs(spec, read_rows(spec["eval"]), tokenizer), spec)
+    counter = FlopCounter(model, model.config)
+    flops = counter.step_flops(sum(lengths), sum(n * (n + 1) // 2 for n in lengths),
+                               reference_forward=reference_in_loop)
+    return {"tool": tool, "settings": settings, **clock, "loop_s": round(loop_s, 2), "tokens": tokens,
+            "steps": steps, "pairs": pairs, "flops": flops, **figures,
+            "train_loss": last_steps_mean(step_losses), "threads": torch.get_num_threads()}
+
+
+def run_workbench_dpo(spec: dict) -> dict:
+    import workbench as wb
+    from peft import PeftModel
+
+    baseline = spec["tool"] == "workbench-baseline"
+    started = time.perf_counter()
+    recipe = workbench_recipe(spec)
+    if baseline:  # the loop on the libraries' own paths, to show what the fast paths are worth
+        recipe = recipe.override("training.fast_paths=false")
+    result = wb.train(recipe, overwrite=True, progress_bar=False)
+    clock = stop_clock(started, spec)
+    summary = result.summary
+    rows = read_rows(str(Path(result.run_dir) / "metrics.jsonl"))
+    step_losses = [r["loss"] for r in rows if "loss" in r and "eval_loss" not in r]
+    model = PeftModel.from_pretrained(load_model(spec), str(Path(result.run_dir) / "adapter"))
+    tokenizer = load_tokenizer(spec)
+    lengths = pair_lengths([p for p in reference_pairs(spec, read_rows(spec["train"]), tokenizer) if p["targets"]])
+    packing = recipe.data.packing
+    batching = (f"packing: true (best-fit, a pair stays whole), {spec['packs_per_step']} packs of 2 x "
+                f"{spec['max_seq_len']} per step" if packing else
+                f"packing: false, micro_batch_size={recipe.training.micro_batch_size} x grad_accum="
+                f"{recipe.training.grad_accum} = {spec['batch']} pairs per step (a pair is one row: chosen then rejected, "
+                "block-diagonal attention)")
+    settings = SETTINGS["workbench-dpo"].format(beta=spec["beta"], batching=batching)
+    if spec.get("workbench_training"):
+        settings += f", {spec['workbench_training']}"
+    settings += ", training.fast_paths=false" if baseline else ", training.fast_paths=true (the default)"
+    pairs = summary["train_samples"] - summary.get("train_empty", 0)
+    report = finish_dpo(spec, spec["tool"], clock, summary["train_s"], summary["tokens"], summary["steps"], pairs,
+                        model, lengths, settings, step_losses)
+    report["own_mfu"] = summary["mfu"]
+    report["startup_s"], report["finish_s"] = summary.get("startup_s"), summary.get("finish_s")
+    return report
+
+
+def trl_dpo_options(spec: dict) -> dict:
+    """TRL's settings for the job beyond what every tool shares: its fastest documented ones here by default
+    (measured; see bench/peers.py), overridable from the command line."""
+    return {"gradient_checkpointing": False, "precompute_ref_log_probs": False, "train_sampling_strategy": "random",
+            **{k: v for k, v in spec.get("trl", {}).items()
+               if k in ("gradient_checkpointing", "precompute_ref_log_probs", "train_sampling_strategy")}}
+
+
+def run_trl_dpo(spec: dict) -> dict:
+    import datasets
+    import trl
+    from trl import DPOConfig, DPOTrainer
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(spec)
+    train = datasets.Dataset.from_list([conversational_pair(r) for r in read_rows(spec["train"])])
+    opts = trl_dpo_options(spec)
+    micro = spec.get("micro_batch", spec["batch"])  # pairs per forward; accumulated to the job's pairs per step
+    accumulate = spec["batch"] // micro
+    args = DPOConfig(
+        output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulate, num_train_epochs=1, learning_rate=spec["lr"], lr_scheduler_type="cosine",
+        warmup_steps=spec["warmup_ratio"], weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_seq_len"],
+        beta=spec["beta"], loss_type=["sigmoid"], bf16=spec["mixed_precision"] == "bf16",
+        use_cpu=spec.get("device", "cpu") == "cpu", logging_steps=1, save_strategy="no", eval_strategy="no",
+        report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0, **opts,
+    )
+    trainer = DPOTrainer(model=load_model(spec), args=args, train_dataset=train, processing_class=tokenizer,
+                         peft_config=lora_config(spec))
+    data = trainer.train_dataset
+    max_len = spec["max_seq_len"]
+    lengths = []
+    for prompt, chosen, rejected in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"]):
+        lengths += [min(len(prompt) + len(chosen), max_len), min(len(prompt) + len(rejected), max_len)]
+    output = trainer.train()
+    trainer.save_model()
+    clock = stop_clock(started, spec)
+    step_losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    settings = SETTINGS["trl-dpo"].format(batch=spec["batch"], micro=micro, accumulate=accumulate, version=trl.__version__, **opts)
+    return finish_dpo(spec, "trl", clock, output.metrics["train_runtime"], sum(lengths), output.global_step,
+                      len(data), trainer.model, lengths, settings, step_losses,
+                      reference_in_loop=not opts["precompute_ref_log_probs"])
 
 TOOLS = {"workbench": run_workbench, "workbench-baseline": run_workbench, "trl": run_trl, "plain": run_plain}
 

@@ -31,6 +31,8 @@ from pydantic import BaseModel
 from workbench import DataError, Recipe, RecipeError
 from workbench.cli import main
 from workbench.data import check_row, prepare_data, tokenize_row
+from workbench.formats import FORMAT_NAMES
+from workbench.formats import FORMATS as REGISTRY
 from workbench.recipe import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +47,7 @@ def fuzz(examples: int):
                     derandomize=scale == 1, database=None if scale == 1 else settings.default.database)
 
 
-FORMATS = ["chat", "alpaca", "completion", "text"]
+FORMATS = list(FORMAT_NAMES)  # every format the registry declares
 _names = itertools.count()
 
 
@@ -334,8 +336,9 @@ ROLES = st.sampled_from(["system", "user", "assistant", "robot", "", "USER"]) | 
 MESSAGE = st.fixed_dictionaries({}, optional={"role": ROLES, "content": TEXT, "name": JUNK}) | JUNK
 GOOD_CHAT = st.builds(lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]},
                       st.text(max_size=20), st.text(min_size=1, max_size=20))
-FIELDS = {"chat": ["messages"], "alpaca": ["instruction", "input", "output"], "completion": ["prompt", "completion"],
-          "text": ["text"]}
+FIELDS = {name: [*fmt.fields, *fmt.optional] for name, fmt in REGISTRY.items()}
+GOOD_PAIR = st.builds(lambda p, c, r: {"prompt": p, "chosen": c, "rejected": r}, st.text(max_size=20),
+                      st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20))
 EXTRA = st.dictionaries(st.sampled_from(["id", "source", "meta", "Text", "messages", "text"]), JUNK, max_size=2)
 
 
@@ -343,6 +346,11 @@ def rows_for(fmt: str):
     if fmt == "chat":
         shaped = st.fixed_dictionaries({}, optional={"messages": st.lists(MESSAGE, max_size=4) | JUNK})
         good = GOOD_CHAT
+    elif REGISTRY[fmt].preference:  # texts or message lists in any of its fields
+        shaped = st.fixed_dictionaries({}, optional={f: TEXT | st.lists(MESSAGE, max_size=3) for f in FIELDS[fmt]})
+        good = GOOD_PAIR | GOOD_PAIR.map(lambda row: {
+            "chosen": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["rejected"]}]})
     else:
         shaped = st.fixed_dictionaries({}, optional={f: TEXT for f in FIELDS[fmt]})
         good = st.fixed_dictionaries({f: st.text(min_size=1, max_size=20) for f in FIELDS[fmt]})
@@ -443,11 +451,11 @@ def test_random_rows_check_and_tokenize(tiny_tokenizer, fmt, data):
             tokenize_row(row, tiny_tokenizer, DataSection(format=fmt, max_seq_len=64), where)
         return
     out = tokenize_row(row, tiny_tokenizer, DataSection(format=fmt, max_seq_len=64), where)
-    assert len(out["input_ids"]) == len(out["labels"]) <= 64
+    assert len(out["input_ids"]) == len(out["labels"]) <= 64 * REGISTRY[fmt].sequences_per_example
 
 
 CELLS = st.one_of(st.text(max_size=12), st.integers().map(str), st.sampled_from(["", "NaN", "null", '"', ",", "\n"]))
-CSV_NAMES = st.sampled_from(["text", "prompt", "completion", "instruction", "input", "output", "messages", "x"])
+CSV_NAMES = st.sampled_from(sorted({f for fields in FIELDS.values() for f in fields} | {"x"}))
 
 
 @fuzz(25)

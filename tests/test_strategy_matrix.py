@@ -30,6 +30,11 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 CELL = [f"training.max_steps={STEPS}", "output.save_every=2", *[c for c in COMMON if "max_steps" not in c]]
 METHODS = {"lora": [], "qlora": ["adapter.method=qlora", "quantization.quant_storage=float32"]}
+# preference objectives on LoRA: a pair is one row of two sequences, normalised over the step's pairs on every rank
+PREFERENCE_DATA = ["data.train=recipes/data/preference_train.jsonl", "data.format=preference"]
+OBJECTIVES = {"dpo": [*PREFERENCE_DATA, "training.objective=dpo"],
+              "orpo": [*PREFERENCE_DATA, "training.objective=orpo"]}
+OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1))  # (objective, grad_accum) on every layout
 LAYOUTS = {
     "ddp": ["distributed.strategy=ddp"],
     "zero1": ["distributed.strategy=deepspeed", "distributed.deepspeed.stage=1"],
@@ -83,12 +88,17 @@ def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     refs = {str(root / f"single-{m}-ga{ga}"): {"overrides": [*CELL, *METHODS[m], *batch(ga, 1)]}
             for m in METHODS for ga in (1, 2)}
+    refs.update({str(root / f"single-{o}-ga{ga}"): {"overrides": [*CELL, *OBJECTIVES[o], *batch(ga, 1)]}
+                 for o, ga in OBJECTIVE_CELLS})
     assert run_worker(refs, 1, root, name="single") == {}
     refused = {}
     for family, layouts in FAMILIES.items():
         cells = {str(root / f"{layout}-{m}-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *METHODS[m],
                                                                      *batch(ga, 2)]}
                  for layout in layouts for m in METHODS for ga in (1, 2)}
+        cells.update({str(root / f"{layout}-{o}-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *OBJECTIVES[o],
+                                                                         *batch(ga, 2)]}
+                      for layout in layouts for o, ga in OBJECTIVE_CELLS})
         if family == "fsdp":  # auto, where no replica fits the memory it is given, must run a sharded layout
             cells[str(root / "auto")] = {"overrides": [*CELL, *batch(1, 2), "distributed.strategy=auto",
                                                        f"distributed.device_memory={memory_for_fsdp_only()}"]}
@@ -109,6 +119,7 @@ def memory_for_fsdp_only() -> int:
 
 
 CELLS = [(layout, m, ga) for layout in LAYOUTS for m in METHODS for ga in (1, 2)]
+CELLS += [(layout, o, ga) for layout in LAYOUTS for o, ga in OBJECTIVE_CELLS]
 
 
 @pytest.mark.parametrize("layout, method, grad_accum", CELLS, ids=[f"{l}-{m}-ga{g}" for l, m, g in CELLS])
@@ -127,6 +138,14 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
     assert len(losses(cell)) == STEPS
     assert losses(cell) == pytest.approx(losses(reference), rel=LOSS_RTOL)
     assert_close_adapters(adapter(cell), adapter(reference), atol=ADAPTER_ATOL)
+    if method in OBJECTIVES:  # the preference figures too: margins and accuracy over the same pairs
+        assert s["objective"] == method
+        assert column(cell, "reward_margin") == pytest.approx(column(reference, "reward_margin"), rel=1e-3, abs=1e-6)
+        assert column(cell, "reward_accuracy") == column(reference, "reward_accuracy")
+
+
+def column(run_dir, name: str) -> list:
+    return [r[name] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def test_accumulation_changes_nothing_but_the_micro_batch(matrix):
@@ -192,7 +211,7 @@ def interrupted_copy(source, target):
 RESUMES = {  # copy of -> resumed on (layout, processes)
     "fsdp-lora-ga1": ("single", 1), "zero3-lora-ga1": ("single", 1), "zero2-qlora-ga2": ("single", 1),
     "single-lora-ga1": ("fsdp", 2), "single-qlora-ga2": ("ddp", 2), "fsdp-qlora-ga1": ("fsdp", 2),
-    "zero3-lora-ga2": ("zero3", 2),
+    "zero3-lora-ga2": ("zero3", 2), "single-dpo-ga2": ("ddp", 2), "zero2-orpo-ga1": ("zero2", 2),
 }
 
 
@@ -203,7 +222,8 @@ def resumed(matrix):
     for source, (layout, world) in RESUMES.items():
         method, ga = source.split("-")[1], int(source[-1])
         target = interrupted_copy(root / source, root / f"{source}-on-{layout}")
-        overrides = [*CELL, *METHODS[method], *batch(ga, world), *LAYOUTS.get(layout, ["distributed.strategy=auto"])]
+        overrides = [*CELL, *{**METHODS, **OBJECTIVES}[method], *batch(ga, world),
+                     *LAYOUTS.get(layout, ["distributed.strategy=auto"])]
         groups.setdefault((layout.rstrip("0123"), world), {})[str(target)] = {"overrides": overrides, "resume": True}
     # a ZeRO engine loads only its own partitions: a one-process checkpoint resumed under ZeRO-2 is refused
     refused_target = interrupted_copy(root / "single-lora-ga2", root / "single-lora-ga2-on-zero2")

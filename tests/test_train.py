@@ -146,3 +146,12 @@ def test_peak_memory_is_the_process_own_not_an_inherited_one():
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(child.stdout) < 600 * 2**20, "the child reported its parent's peak"
     del ballast
+
+
+def test_metrics_lines_that_are_not_rows_are_skipped(tmp_path):
+    """A torn last line or a hand-edited value that is not an object never reaches code that reads rows."""
+    from workbench.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n5\n[1, 2]\n"text"\nnull\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]

@@ -17,10 +17,11 @@ pytest.importorskip("gradio")
 
 from ui import form  # noqa: E402
 from workbench import charts  # noqa: E402
-from ui.handlers import TABLE_HEADERS, Handlers, display_table  # noqa: E402
+from ui.handlers import COLUMNS, TABLE_HEADERS, Handlers, display_table  # noqa: E402
 from ui.jobs import JobRegistry  # noqa: E402
 from ui.workspace import PathError, Workspace  # noqa: E402
 from workbench import Recipe, RecipeError  # noqa: E402
+from workbench.formats import FORMAT_NAMES  # noqa: E402
 from workbench.runs import COMPARE_COLUMNS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,7 +244,7 @@ def test_compare_table_charts_and_csv_export(h, root):
     fake_run(root, "b", tokens_per_s=2000.0, mfu=None, predicted_peak_memory_mb=None)
     assert h.ws.run_choices() == ["a", "b"]
     table, memory, speed, losses, status = h.compare(["a", "b"])
-    assert list(table.columns) == [TABLE_HEADERS[c] for c in COMPARE_COLUMNS]
+    assert list(table.columns) == [TABLE_HEADERS[c] for c in COLUMNS] and set(COMPARE_COLUMNS) <= set(COLUMNS)
     assert {"method", "strategy", "world size", "tokens/s", "peak memory (MB)", "predicted peak (MB)", "MFU (%)",
             "wall time (s)", "final loss", "eval loss (final)"} <= set(table.columns)
     assert table["run"].tolist() == ["a", "b"] and table["MFU (%)"].tolist()[0] == 1.23
@@ -255,7 +256,7 @@ def test_compare_table_charts_and_csv_export(h, root):
     path = Path(path)
     assert path.parent == root.resolve() / ".workbench-ui" / "exports" and "exported 2 run(s)" in status
     rows = list(csv.DictReader(path.open()))
-    assert list(rows[0]) == COMPARE_COLUMNS and [r["run"] for r in rows] == ["a", "b"]
+    assert list(rows[0]) == COLUMNS and [r["run"] for r in rows] == ["a", "b"]
     assert float(rows[0]["tokens_per_s"]) == 1234.5 and rows[1]["mfu"] == ""
     assert display_table([]).empty and h.compare([])[-1].count("choose") == 1
 
@@ -372,10 +373,10 @@ def test_a_launched_job_runs_to_completion_and_is_watched(finished):
     h, root = finished
     job = json.loads((root / ".workbench-ui/jobs/ui-job/job.json").read_text())
     assert job["command"] == ["train", ".workbench-ui/jobs/ui-job/recipe.yaml", "--no-progress"]
-    status, progress, log, loss, speed, signature = h.job_view("ui-job")
+    status, progress, log, loss, speed, preference, signature = h.job_view("ui-job")
     assert "completed" in status and "step 20 / 20" in status and "20 / 20 steps" in progress
     assert "$ workbench train" in log and "final train loss" in log
-    assert loss.axes and speed.axes
+    assert loss.axes and speed.axes and preference is None  # an SFT run: no preference plot
     assert h.job_view("ui-job", signature)[3] is form.SKIP  # unchanged metrics: no redraw
     assert "ui-job" in h.ws.run_choices(with_adapter=True) and "runs/ui-job/recipe.yaml" in h.ws.recipe_choices()
     table, *_ = h.compare(["ui-job"])
@@ -434,6 +435,183 @@ def test_every_plot_of_the_page_renders_the_charts_figures(tmp_path):
     for plot in plots:
         data = plot.postprocess(charts.empty("nothing yet"))
         assert data.type == "matplotlib" and data.plot.startswith("data:image/png;base64,")
+
+
+# -- preference training: objective dpo/orpo in the form, reward figures in Train and Compare ------------------
+
+
+def test_format_and_objective_choices_come_from_the_registry_and_the_schema():
+    specs = {s.key: s for s in form.FIELDS}
+    assert specs["data.format"].kind == "dropdown" and specs["data.format"].choices == list(FORMAT_NAMES)
+    assert "preference" in FORMAT_NAMES
+    objective = specs["training.objective"]
+    assert objective.kind == "dropdown" and objective.choices == ["sft", "dpo", "orpo"] and objective.default == "sft"
+    for key in ("training.dpo_beta", "training.orpo_lambda"):
+        assert specs[key].kind == "float" and specs[key].default == 0.1 and not specs[key].optional
+    # no list of formats of its own anywhere in ui/: the form reads the schema, which reads the registry
+    import re
+
+    for path in (ROOT / "ui").glob("*.py"):
+        source = path.read_text()
+        for name in ("alpaca", "preference", "completion"):
+            assert not re.search(rf"""["']{name}["']""", source), (path.name, name)
+
+
+def dpo_widgets() -> list:
+    return widgets_for(Recipe.load(ROOT / "recipes/tiny-dpo.yaml"))
+
+
+def test_the_form_builds_a_dpo_or_orpo_recipe_that_validates(h):
+    values = set_field(widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml")), "training.objective", "dpo")
+    _, status, bad = h.form_changed(*values)  # chat data cannot train dpo: the compatibility rule says what to set
+    assert set(bad) == {"data"} and "set data.format: preference" in status
+    values = set_field(values, "data.format", "preference")
+    values = set_field(values, "data.train", "recipes/data/preference_train.jsonl")
+    values = set_field(values, "data.eval", "recipes/data/preference_eval.jsonl")
+    values = set_field(values, "training.dpo_beta", 0.25)
+    text, status, bad = h.form_changed(*values)
+    assert not bad and "valid recipe" in status and "dpo (beta 0.25)" in status
+    recipe = form.recipe_from_yaml(text)
+    assert recipe.training.objective == "dpo" and recipe.training.dpo_beta == 0.25
+    assert recipe.data.format == "preference"
+    back, _, _ = h.yaml_changed(text)  # and back into the form
+    assert value_of(back, "training.objective") == "dpo" and value_of(back, "training.dpo_beta") == 0.25
+    assert value_of(back, "data.format") == "preference"
+    values = set_field(set_field(values, "training.objective", "orpo"), "training.orpo_lambda", "0.5")
+    text, status, bad = h.form_changed(*values)
+    assert not bad and "orpo (lambda 0.5)" in status and form.recipe_from_yaml(text).training.orpo_lambda == 0.5
+    # dpo needs an adapter to switch off for its reference model
+    values = set_field(set_field(values, "training.objective", "dpo"), "adapter.method", "full")
+    _, status, bad = h.form_changed(*values)
+    assert set(bad) == {"training"} and "training.objective: dpo compares against the base model" in status
+
+
+@pytest.mark.parametrize("value", [-1, "-1", "abc", 0, "", None, "nan", "inf", "1e400", [0.1]])
+@pytest.mark.parametrize("key", ["training.dpo_beta", "training.orpo_lambda"])
+def test_an_invalid_preference_strength_is_one_clear_error(h, key, value):
+    _, status, bad = h.form_changed(*set_field(dpo_widgets(), key, value))
+    assert list(bad) == ["training"] and len(bad["training"]) == 1
+    assert bad["training"][0].startswith(f"{key}: ")
+    text = html.unescape(status)
+    assert "wb-error" in status and text.count("recipe: ") == 1 and f"recipe: {key}: " in text
+
+
+def preference_rows(steps: int = 4) -> list[dict]:
+    """metrics.jsonl rows of a preference run (the keys workbench/train.py writes), with an eval at both ends."""
+    def figures(step: int, prefix: str = "") -> dict:
+        return {f"{prefix}rewards_chosen": 0.1 * step, f"{prefix}rewards_rejected": -0.1 * step,
+                f"{prefix}reward_margin": 0.2 * step, f"{prefix}reward_accuracy": min(1.0, 0.5 + 0.1 * step),
+                f"{prefix}logps_chosen": -140.0 + step, f"{prefix}logps_rejected": -130.0 - step}
+
+    return [{"step": 0, "eval_loss": 0.693147, **figures(0, "eval_")},
+            *({"step": i, "epoch": 0, "loss": 0.69 - 0.03 * i, "tokens_per_s": 900.0 + i, **figures(i)}
+              for i in range(1, steps + 1)),
+            {"step": steps, "eval_loss": 0.52, **figures(steps + 1, "eval_")}]
+
+
+def fake_preference_run(root: Path, name: str, objective: str = "dpo", **summary) -> None:
+    run = root / "runs" / name
+    run.mkdir(parents=True)
+    s = {"status": "completed", "strategy": "single", "world_size": 1, "steps": 4, "total_steps": 4,
+         "tokens_per_s": 900.0, "final_loss": 0.57, "eval_loss_first": 0.693147, "eval_loss_final": 0.52,
+         "objective": objective, "eval_reward_margin_final": 1.171652, "eval_reward_accuracy_final": 0.75, **summary}
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": s}))
+    recipe = Recipe.load(ROOT / "recipes/tiny-dpo.yaml").override(f"name={name}", f"training.objective={objective}")
+    (run / "recipe.yaml").write_text(recipe.to_yaml())
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in preference_rows()) + "\n")
+
+
+def fake_job(root: Path, name: str) -> None:
+    """A job record for a finished run, as if this workspace's UI had launched it (its process is gone)."""
+    folder = root / ".workbench-ui" / "jobs" / name
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps({
+        "name": name, "run_dir": f"runs/{name}", "command": ["train", f"runs/{name}/recipe.yaml", "--no-progress"],
+        "pid": 0, "started": time.time() - 60, "log": f".workbench-ui/jobs/{name}/train.log"}))
+
+
+def labels(figure: Figure) -> list[str]:
+    return [line.get_label() for ax in figure.axes for line in ax.lines if not line.get_label().startswith("_")]
+
+
+def test_the_preference_chart_draws_margin_and_accuracy_over_the_steps():
+    import pandas as pd
+
+    rows = preference_rows()
+    for frame in (rows, pd.DataFrame(rows)):  # metrics rows, or a run's history DataFrame
+        figure = charts.preference_chart(frame)
+        assert labels(figure) == ["margin", "margin (eval)", "accuracy", "accuracy (eval)"]
+        margin, accuracy = figure.axes
+        assert list(margin.lines[0].get_xdata()) == [1, 2, 3, 4]  # train rows only, no gaps at the eval rows
+        assert list(margin.lines[1].get_ydata()) == pytest.approx([0.0, 1.0])  # eval at step 0 and 4
+        assert accuracy.get_ylim()[1] <= 1.05
+    assert charts.is_preference(rows) and not charts.is_preference([{"step": 1, "loss": 2.0}])
+    sft = [{"step": 1, "loss": 2.0, "tokens_per_s": 10.0}, {"step": 1, "eval_loss": 2.1}]
+    assert charts.preference_chart(sft).axes[0].texts and not labels(charts.preference_chart(sft))  # an empty state
+    hostile = [5, None, "x", {"step": "1", "reward_margin": 1.0}, {"step": 2, "reward_margin": "big"},
+               {"step": 3, "reward_margin": float("nan")}, {"step": 4, "reward_margin": True}]
+    assert charts.preference_chart(hostile).axes[0].texts  # nothing drawable: the empty state, no error
+    # the API's run figure grows a third panel for a preference run only
+    assert len(charts.run_figure("p", rows).axes) == 4 and len(charts.run_figure("s", sft).axes) == 2
+
+
+def test_the_train_tab_shows_the_preference_plot_for_a_preference_run_only(h, root):
+    fake_preference_run(root, "pref")
+    fake_job(root, "pref")
+    fake_run(root, "plain")
+    fake_job(root, "plain")
+    status, progress, _, loss, speed, preference, signature = h.job_view("pref")
+    assert "completed" in status and "4 / 4 steps" in progress
+    assert "reward margin 0.800" in status and "reward accuracy 90%" in status
+    assert isinstance(preference, Figure) and "dpo" in preference.axes[0].get_title(loc="left")
+    assert labels(preference) == ["margin", "margin (eval)", "accuracy", "accuracy (eval)"]
+    assert h.job_view("pref", signature)[5] is form.SKIP  # unchanged metrics: no redraw
+    status, _, _, loss, speed, preference, _ = h.job_view("plain")
+    assert preference is None and loss.axes and "reward" not in status  # an SFT run: the page hides the plot
+    assert h.job_view(None)[5] is None
+    # a preference run that has not logged yet: its recipe says dpo, so the plot shows its empty state
+    (root / "runs/pref/metrics.jsonl").write_text("")
+    (root / "runs/pref/run.json").write_text(json.dumps({"summary": {"status": "running"}}))
+    preference = h.job_view("pref")[5]
+    assert isinstance(preference, Figure) and preference.axes[0].texts and not labels(preference)
+
+
+def test_compare_shows_the_objective_and_final_reward_margin_and_accuracy(h, root):
+    fake_run(root, "a-sft")
+    fake_preference_run(root, "b-dpo")
+    fake_preference_run(root, "c-orpo", objective="orpo", eval_reward_margin_final=None,
+                        eval_reward_accuracy_final="hostile")  # no summary figures: the last eval row's
+    table, *_, status = h.compare(["a-sft", "b-dpo", "c-orpo"])
+    assert "3 run(s)" in status
+    assert table["objective"].tolist() == ["sft", "dpo", "orpo"]
+    columns = ["reward margin (final)", "reward accuracy (final, %)", "eval reward margin (final)",
+               "eval reward accuracy (final, %)"]
+    assert set(columns) <= set(table.columns)
+    assert table[columns].iloc[0].isna().all()  # blank for the SFT run
+    assert table[columns].iloc[1].tolist() == pytest.approx([0.8, 90.0, 1.1717, 75.0])
+    assert table[columns].iloc[2].tolist() == pytest.approx([0.8, 90.0, 1.0, 100.0])
+    path, _ = h.export_csv(["a-sft", "b-dpo"])
+    rows = list(csv.DictReader(Path(path).open()))
+    assert [r["objective"] for r in rows] == ["sft", "dpo"] and rows[0]["eval_reward_margin_final"] == ""
+    assert float(rows[1]["eval_reward_accuracy_final"]) == 0.75  # the CSV keeps fractions, as run.json does
+
+
+@pytest.mark.slow
+def test_a_real_dpo_run_launched_from_the_ui_has_its_reward_figures_shown(root):
+    """The names the trainer writes are the names the UI reads: tiny-dpo, from Launch to Compare."""
+    h = Handlers(root)
+    text = Recipe.load(ROOT / "recipes/tiny-dpo.yaml").override(
+        "name=ui-dpo", "training.threads=1", "training.max_steps=4", "output.eval_every=2", "output.log_every=1",
+        "output.save_every=4").to_yaml()
+    name, status = h.launch(text, 1)
+    assert name == "ui-dpo", status
+    assert h.jobs.wait(name, timeout=240) == 0, h.jobs.log_tail(name)
+    status, _, _, _, _, preference, _ = h.job_view(name)
+    assert "completed" in status and "reward margin" in status
+    assert labels(preference) == ["margin", "margin (eval)", "accuracy", "accuracy (eval)"]
+    table, *_ = h.compare([name])
+    assert table["objective"].tolist() == ["dpo"]
+    assert table[["eval reward margin (final)", "eval reward accuracy (final, %)"]].notna().all(axis=None)
 
 
 # -- attacks: each reproduces a loss or an escape first ---------------------------------------------------------

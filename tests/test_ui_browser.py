@@ -172,6 +172,60 @@ def test_configure_launch_watch_compare_and_chat(browser, served, shots):
     page.close()
 
 
+def _finished_run(root: Path, name: str, objective: str) -> None:
+    """A finished run and the UI's record of the job that made it, written as the trainer and the UI write them."""
+    import json
+    import time
+
+    from workbench import Recipe
+
+    recipe = "recipes/tiny-dpo.yaml" if objective != "sft" else "recipes/tiny.yaml"
+    run = root / "runs" / name
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(Recipe.load(ROOT / recipe).override(f"name={name}").to_yaml())
+    rows = [{"step": s, "loss": 0.7 - 0.05 * s, "tokens_per_s": 900.0} for s in (1, 2, 3, 4)]
+    if objective != "sft":
+        rows = [{**r, "reward_margin": 0.3 * r["step"], "reward_accuracy": 0.5 + 0.1 * r["step"]} for r in rows]
+        rows += [{"step": 4, "eval_loss": 0.5, "eval_reward_margin": 1.17, "eval_reward_accuracy": 0.75}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"status": "completed", "steps": 4, "total_steps": 4, "objective": objective}
+    if objective != "sft":
+        summary.update(eval_reward_margin_final=1.17, eval_reward_accuracy_final=0.75)
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": summary}))
+    job = root / ".workbench-ui" / "jobs" / name
+    job.mkdir(parents=True)
+    (job / "job.json").write_text(json.dumps({"name": name, "run_dir": f"runs/{name}", "pid": 0,
+                                              "command": ["train", f"runs/{name}/recipe.yaml", "--no-progress"],
+                                              "started": time.time() - 3600, "log": f".workbench-ui/jobs/{name}/log"}))
+
+
+def test_a_preference_run_shows_its_reward_plot_and_compare_columns(browser, served, shots):
+    url, root = served
+    _finished_run(root, "pref-dpo", "dpo")
+    _finished_run(root, "pref-sft", "sft")
+    page = _open(browser, url)
+    _tab(page, "Train")
+    _type(page, "#job-choice input", "pref-sft")  # replaces the job the page chose (the latest)
+    page.keyboard.press("Enter")
+    _wait_text(page, "#job-status", "pref-sft")
+    page.wait_for_selector("#loss-plot img")
+    assert not page.is_visible("#preference-plot")  # an SFT run: no reward plot
+    _type(page, "#job-choice input", "pref-dpo")
+    page.keyboard.press("Enter")
+    _wait_text(page, "#job-status", "reward margin 1.200")
+    page.wait_for_selector("#preference-plot img")
+    _shot(page, shots / "8-train-preference.png")
+
+    _tab(page, "Compare")
+    _choose(page, "#compare-runs input", "pref-dpo")
+    _choose(page, "#compare-runs input", "pref-sft")
+    _wait_text(page, "#compare-table", "pref-sft")
+    table = page.inner_text("#compare-table")
+    assert "objective" in table and "dpo" in table and "eval reward margin (final)" in table and "1.17" in table
+    _shot(page, shots / "9-compare-preference.png")
+    page.close()
+
+
 def _status(url: str) -> int:
     import urllib.error
     import urllib.request

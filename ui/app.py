@@ -209,14 +209,22 @@ def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blo
                         with gr.Row():
                             loss_plot = FigurePlot(label="loss", format="png", show_label=False, elem_id="loss-plot")
                             tps_plot = FigurePlot(label="tokens/s", format="png", show_label=False, elem_id="tps-plot")
+                            # a preference run's reward margin and accuracy (training.objective dpo/orpo)
+                            pref_plot = FigurePlot(label="reward margin and accuracy", format="png", show_label=False,
+                                                   elem_id="preference-plot", visible=False)
                         log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, interactive=False,
                                          autoscroll=True, elem_id="job-log", elem_classes="wb-log")
                 seen = gr.State(None)
-                view_outputs = [job_status, progress, log, loss_plot, tps_plot, seen, stop_btn, resume_btn]
+                view_outputs = [job_status, progress, log, loss_plot, tps_plot, pref_plot, seen, stop_btn, resume_btn]
 
                 def on_view(name, last):
                     can_stop, can_resume = h.buttons(name)
-                    return [*_skip(h.job_view(name, last)), gr.update(interactive=can_stop),
+                    *shown, preference, signature = h.job_view(name, last)
+                    if preference is form.SKIP:
+                        preference = gr.skip()
+                    else:  # None: not a preference run, so no such plot
+                        preference = gr.update(value=preference, visible=preference is not None)
+                    return [*_skip(shown), preference, signature, gr.update(interactive=can_stop),
                             gr.update(interactive=can_resume)]
 
                 def on_launch(text, n, replace_run):

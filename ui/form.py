@@ -31,7 +31,8 @@ UNITS = {
     "training.grad_accum": "micro-batches", "training.lr": "learning rate", "training.warmup_ratio": "fraction of steps",
     "training.max_grad_norm": "L2 norm", "training.threads": "CPU threads", "output.save_every": "steps",
     "output.keep_last": "checkpoints", "output.eval_every": "steps", "output.log_every": "steps",
-    "output.sample_max_new_tokens": "tokens",
+    "output.sample_max_new_tokens": "tokens", "training.dpo_beta": "dpo only",
+    "training.orpo_lambda": "orpo only",
 }
 
 

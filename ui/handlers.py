@@ -7,6 +7,7 @@ wires them to Gradio components. Errors a user can act on come back as a status 
 from __future__ import annotations
 
 import html
+import math
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from workbench.errors import WorkbenchError
 from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
-from .jobs import registry_for
+from .jobs import objective_of, registry_for
 from .workspace import Workspace
 
 GIB = 2**30
@@ -32,7 +33,18 @@ TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
     "final_loss": "final loss", "eval_loss_first": "eval loss (first)", "eval_loss_final": "eval loss (final)",
     "base_eval_loss": "base eval loss", "tuned_eval_loss": "tuned eval loss", "base_contains": "base contains",
     "tuned_contains": "tuned contains", "tuned_exact_match": "tuned exact match",
+    "objective": "objective", "reward_margin_final": "reward margin (final)",
+    "reward_accuracy_final": "reward accuracy (final, %)", "eval_reward_margin_final": "eval reward margin (final)",
+    "eval_reward_accuracy_final": "eval reward accuracy (final, %)",
 }
+# Preference runs (training.objective dpo/orpo): their last reward margin and accuracy, on the training batches
+# (the last metrics row) and on the held-out data (run.json's summary). Blank for SFT runs.
+PREFERENCE_COLUMNS = ["reward_margin_final", "reward_accuracy_final", "eval_reward_margin_final",
+                      "eval_reward_accuracy_final"]
+ACCURACY_COLUMNS = ("reward_accuracy_final", "eval_reward_accuracy_final")
+
+
+COLUMNS = COMPARE_COLUMNS  # workbench.runs' own (objective and reward figures included)
 
 
 def status_html(kind: str, text: str) -> str:
@@ -79,7 +91,10 @@ class Handlers:
             self.ws.check_recipe_paths(recipe, self.allow_remote_code)
         except WorkbenchError as err:
             return status_html("error", str(err)), error_sections(str(err))
-        return status_html("ok", f"valid recipe · {recipe.name} · {recipe.adapter.method} on {recipe.model.path}"), {}
+        objective = recipe.training.objective
+        trains = "" if objective == "sft" else f" · {objective} ({_objective_knob(recipe)})"
+        return status_html("ok", f"valid recipe · {recipe.name} · {recipe.adapter.method} on {recipe.model.path}"
+                                 f"{trains}"), {}
 
     def form_changed(self, *values) -> tuple[str, str, dict[str, list[str]]]:
         """Form → YAML: the mapping the form describes, and its validation."""
@@ -216,24 +231,33 @@ class Handlers:
         return running, status.state in ("interrupted", "failed", "exited", "died")
 
     def job_view(self, name: str | None, seen: str | None = None):
-        """(status html, progress html, log tail, loss figure, tokens/s figure, signature) of a job.
+        """(status html, progress html, log tail, loss figure, tokens/s figure, preference figure, signature) of
+        a job.
 
-        The figures are SKIP when the metrics have not changed since `seen`.
+        The preference figure (reward margin and accuracy over the steps) is drawn for a preference run
+        (training.objective dpo/orpo) and is None for any other, which the page hides. The figures are SKIP
+        when the metrics have not changed since `seen`.
         """
         status = self.jobs.status(name) if name else None
         if status is None:
             idle = charts.empty("no job yet: launch one") if seen != "none" else form.SKIP
-            return status_html("info", "no job selected"), _progress(0, None), "", idle, idle, "none"
+            return (status_html("info", "no job selected"), _progress(0, None), "", idle, idle,
+                    None if seen != "none" else form.SKIP, "none")
         signature = f"{name}:{status.state}:{len(status.metrics)}"
-        figures = (form.SKIP, form.SKIP)
+        figures = (form.SKIP, form.SKIP, form.SKIP)
+        preference = status.objective != "sft" or charts.is_preference(status.metrics)
         if signature != seen:
             series = {name: status.metrics}
             figures = (charts.curves(series, "loss", "Loss", "loss", eval_key="eval_loss"),
-                       charts.curves(series, "tokens_per_s", "Throughput", "tokens/s"))
-        rows = [r for r in status.metrics if "tokens_per_s" in r]
+                       charts.curves(series, "tokens_per_s", "Throughput", "tokens/s"),
+                       charts.preference_chart(status.metrics, title=f"Reward margin and accuracy ({status.objective})")
+                       if preference else None)
+        rows = [r for r in status.metrics if _finite(r.get("tokens_per_s")) is not None]
         facts = [f"{name}", status.state, f"step {status.steps} / {status.total_steps or '?'}"]
         if rows:
             facts.append(f"{rows[-1]['tokens_per_s']:,.0f} tokens/s")
+        if preference:
+            facts += _preference_facts(status.metrics)
         if status.summary.get("wall_s") is not None:
             facts.append(f"wall {status.summary['wall_s']:.1f} s")
         if status.pid:
@@ -247,8 +271,13 @@ class Handlers:
     # -- Compare --------------------------------------------------------------------------------
 
     def compare_rows(self, names: list[str] | None) -> tuple[list[dict], dict[str, list[dict]]]:
+        """workbench.runs' compare rows, each with the run's objective and (preference runs) reward figures."""
         runs = [load_run(self.ws.run_dir(n)) for n in names or []]
-        return compare_rows(runs), {r.name: r.metrics for r in runs}
+        # a run still training has no final figures in run.json yet: its last logged ones stand in
+        rows = [{**row, **{k: v for k, v in preference_cells(run).items()
+                           if k != "objective" and _finite(row.get(k)) is None}}
+                for run, row in zip(runs, compare_rows(runs))]
+        return rows, {r.name: r.metrics for r in runs}
 
     def compare(self, names: list[str] | None):
         """(table, memory figure, throughput figure, loss figure, status html) for the chosen runs."""
@@ -259,7 +288,7 @@ class Handlers:
             return pd.DataFrame(), blank, blank, blank, status_html("error", str(err))
         if not rows:
             blank = charts.empty("choose one or more runs")
-            return pd.DataFrame(columns=list(TABLE_HEADERS.values())), blank, blank, blank, status_html(
+            return pd.DataFrame(columns=[TABLE_HEADERS[c] for c in COLUMNS]), blank, blank, blank, status_html(
                 "info", "choose one or more runs")
         memory, speed, losses = charts.compare_axes(rows, series)  # the figures of workbench.plot_compare
         return display_table(rows), memory, speed, losses, status_html("ok", f"{len(rows)} run(s) compared")
@@ -275,7 +304,7 @@ class Handlers:
         folder = self.ws.ui_dir / "exports"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"compare-{time.strftime('%Y%m%d-%H%M%S')}.csv"
-        pd.DataFrame(rows, columns=COMPARE_COLUMNS).to_csv(path, index=False)
+        pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
         return str(path), status_html("ok", f"exported {len(rows)} run(s) to {self.ws.relative(path)}")
 
     # -- Chat -----------------------------------------------------------------------------------
@@ -311,14 +340,63 @@ def _run_line(run_path: Path) -> str:
 
 
 def display_table(rows: list[dict]) -> pd.DataFrame:
-    """The compare rows with readable headers, units and rounding (MFU in percent)."""
-    frame = pd.DataFrame(rows, columns=COMPARE_COLUMNS)
+    """The compare rows with readable headers, units and rounding (MFU and reward accuracies in percent)."""
+    frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["mfu"] = frame["mfu"].map(lambda v: None if v is None or pd.isna(v) else round(100 * v, 2))
     for col in ("tokens_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "wall_s"):
         frame[col] = frame[col].map(lambda v: None if v is None or pd.isna(v) else round(float(v), 1))
-    for col in ("final_loss", "eval_loss_first", "eval_loss_final"):
-        frame[col] = frame[col].map(lambda v: None if v is None or pd.isna(v) else round(float(v), 4))
+    for col in ("final_loss", "eval_loss_first", "eval_loss_final", "reward_margin_final", "eval_reward_margin_final"):
+        frame[col] = frame[col].map(lambda v: None if _finite(v) is None else round(float(v), 4))
+    for col in ACCURACY_COLUMNS:
+        frame[col] = frame[col].map(lambda v: None if _finite(v) is None else round(100 * float(v), 1))
     return frame.rename(columns=TABLE_HEADERS)
+
+
+def _finite(value) -> float | None:
+    """A finite number as a float, None for anything else (a missing figure, NaN, text in a hand-edited file)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _last(rows: list[dict], key: str) -> float | None:
+    """The last finite value of `key` in metrics rows."""
+    for row in reversed(rows):
+        value = _finite(row.get(key)) if isinstance(row, dict) else None
+        if value is not None:
+            return value
+    return None
+
+
+def preference_cells(run) -> dict:
+    """A run's objective and, for a preference run, its final reward margin and accuracy (train: the last
+    logged row; eval: run.json's summary, else the last evaluation row). None for an SFT run."""
+    summary = run.summary if isinstance(run.summary, dict) else {}
+    objective = objective_of(summary, run.recipe)
+    cells = {"objective": objective, **dict.fromkeys(PREFERENCE_COLUMNS)}
+    if objective == "sft" and not charts.is_preference(run.metrics):
+        return cells
+    for key in ("reward_margin", "reward_accuracy", "eval_reward_margin", "eval_reward_accuracy"):
+        from_summary = _finite(summary.get(f"{key}_final"))
+        cells[f"{key}_final"] = from_summary if from_summary is not None else _last(run.metrics, key)
+    return cells
+
+
+def _preference_facts(rows: list[dict]) -> list[str]:
+    """The latest reward margin and accuracy of a preference run, for the job's status line."""
+    margin, accuracy = _last(rows, "reward_margin"), _last(rows, "reward_accuracy")
+    facts = []
+    if margin is not None:
+        facts.append(f"reward margin {margin:.3f}")
+    if accuracy is not None:
+        facts.append(f"reward accuracy {100 * accuracy:.0f}%")
+    return facts
+
+
+def _objective_knob(recipe) -> str:
+    """The strength setting of a preference objective, as the status line shows it."""
+    training = recipe.training
+    return f"beta {training.dpo_beta:g}" if training.objective == "dpo" else f"lambda {training.orpo_lambda:g}"
 
 
 def _estimate_lines(data: dict, capacity: float | None) -> list[str]:

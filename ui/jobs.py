@@ -19,11 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import workbench
 from workbench.metrics import read_metrics
+from workbench.recipe import TrainingSection
 from workbench.runs import write_json_atomic
 
 from workbench.errors import WorkbenchError
@@ -66,6 +68,7 @@ class JobStatus:
     metrics: list[dict]
     run_dir: Path
     command: list[str]
+    objective: str = "sft"  # training.objective: sft, or dpo / orpo (a preference run)
 
 
 STOP_GRACE_S = 30.0  # what a run gets to checkpoint after Stop before a third Stop may SIGKILL it
@@ -212,8 +215,8 @@ class JobRegistry:
         alive = self._alive(job)
         run_dir = self.ws.resolve(job.run_dir, what="run directory")
         summary = _read_summary(run_dir)
-        metrics = read_metrics(run_dir / "metrics.jsonl")
-        steps = max((r.get("step", 0) for r in metrics if "loss" in r), default=0)
+        metrics = [r for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r, dict)]  # not a torn row
+        steps = max((r["step"] for r in metrics if "loss" in r and _is_int(r.get("step"))), default=0)
         if alive:
             state = "stopping" if job.stop_requested else "running"
         else:
@@ -223,9 +226,11 @@ class JobRegistry:
                 self._write(job)
             recorded = summary.get("status")
             state = recorded if recorded in ("completed", "interrupted", "failed") else "exited"
-        total = summary.get("total_steps") or _recipe_max_steps(run_dir)
+        recipe = _read_recipe(run_dir / "recipe.yaml") or _read_recipe(self._folder(name) / "recipe.yaml")
+        total = summary.get("total_steps") or _section(recipe, "training").get("max_steps")
         return JobStatus(name, state, summary.get("steps") or steps, total, job.pid if alive else None,
-                         job.returncode, summary, metrics, run_dir, job.command)
+                         job.returncode, summary, metrics, run_dir, job.command,
+                         objective_of(summary, recipe))
 
     def log_tail(self, name: str, lines: int = 60) -> str:
         job = self._read(name)
@@ -307,16 +312,40 @@ def _pid_runs_job(job: Job) -> bool:
 
 def _read_summary(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / "run.json").read_text()).get("summary", {})
+        data = json.loads((run_dir / "run.json").read_text())
     except (OSError, ValueError):
         return {}
+    return _section(data, "summary")
 
 
-def _recipe_max_steps(run_dir: Path) -> int | None:
+def _read_recipe(path: Path) -> dict:
+    """A recipe file as a mapping; {} when it is missing, unreadable or not a mapping."""
     import yaml
 
     try:
-        data = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-    return (data.get("training") or {}).get("max_steps")
+        data = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _section(data, name: str) -> dict:
+    value = data.get(name) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+OBJECTIVES = typing.get_args(TrainingSection.model_fields["objective"].annotation)  # sft, dpo, orpo
+
+
+def objective_of(summary: dict, recipe: dict) -> str:
+    """What a run trains (training.objective): its summary says so once it has finished, its recipe from the
+    start; "sft" when neither does (the schema's default, and every run from before preference training)."""
+    summary = summary if isinstance(summary, dict) else {}
+    for value in (summary.get("objective"), _section(recipe, "training").get("objective")):
+        if value in OBJECTIVES:
+            return value
+    return "sft"

@@ -53,7 +53,7 @@ def resolve(recipe, device_kind: str, here: bool = True, flex_problem: str | Non
     model.attn when the one asked for cannot train there. here=False (an estimate for another machine): the
     packages installed in this process are not checked. flex_problem: why FlexAttention cannot serve this model
     here (flex_problem_for_run), named in the reason."""
-    asked, packing, gpu = recipe.model.attn, recipe.data.packing, device_kind == "cuda"
+    asked, packing, gpu = recipe.model.attn, recipe.data.several_samples_per_row, device_kind == "cuda"
     if asked == AUTO:
         if gpu and packing and not flex_attention_available():
             flex_problem = "this torch has no FlexAttention"
@@ -71,7 +71,7 @@ def resolve(recipe, device_kind: str, here: bool = True, flex_problem: str | Non
 
 def flex_problem_for_run(recipe, model_config, device_kind: str) -> str | None:
     """Why `auto` should not give this run's packed rows to FlexAttention (None: it may, or it is not asked)."""
-    if recipe.model.attn != AUTO or device_kind != "cuda" or not recipe.data.packing:
+    if recipe.model.attn != AUTO or device_kind != "cuda" or not recipe.data.several_samples_per_row:
         return None
     import torch
 
@@ -156,7 +156,7 @@ def check_trainable(implementation: str, device_kind: str, here: bool = True) ->
 def packed_rows_of(implementation: str, device_kind: str, recipe) -> str:
     """'none' (no packing), 'per_sample' (the CPU path), 'document_mask' (flex), 'varlen' (flash) or
     'dense_mask' (sdpa or eager on a GPU, or on a CPU without the fast paths)."""
-    if not recipe.data.packing:
+    if not recipe.data.several_samples_per_row:
         return "none"
     if implementation == "flex_attention":
         return "document_mask"

@@ -7,7 +7,11 @@ optional `ax` so several can share one figure (`workbench.plot_compare`).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 class WorkbenchFigure(Figure):
     """A Figure that shows itself in Jupyter without pyplot (which these charts never touch)."""
@@ -100,18 +104,45 @@ def _gib(value: float) -> str:
     return f"{value:,.0f} GiB" if value >= 10 else f"{value:.2g} GiB" if value >= 0.01 else f"{value * 1024:.0f} MiB"
 
 
+def _number(value) -> float | None:
+    """A finite real number as a float; None for anything else (a missing key, NaN from a DataFrame, text)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _records(rows) -> list[dict]:
+    """metrics.jsonl rows as dicts, from a list of rows or a pandas DataFrame (`Run.history`)."""
+    if rows is None:
+        return []
+    if hasattr(rows, "to_dict"):
+        rows = rows.to_dict("records")
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _points(rows: list[dict], key: str) -> list[tuple[float, float]]:
+    """(step, value) of the rows holding a finite number under `key` (train and eval rows share a step)."""
+    found = []
+    for row in _records(rows):
+        step, value = _number(row.get("step")), _number(row.get(key))
+        if step is not None and value is not None:
+            found.append((step, value))
+    return found
+
+
 def curves(series: dict[str, list[dict]], key: str, title: str, ylabel: str, eval_key: str | None = None,
            ax=None) -> Figure:
     """One line per run of `key` against the step (and dashed `eval_key` points when given)."""
     drawn = False
     fig, ax = _figure(ax=ax)
     for (name, rows), color in zip(series.items(), SERIES_COLORS * 4):
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        points = _points(rows, key)
         if points:
             ax.plot(*zip(*points), color=color, linewidth=1.8, label=name if len(series) > 1 or eval_key else None)
             drawn = True
         if eval_key:
-            evals = [(r["step"], r[eval_key]) for r in rows if r.get(eval_key) is not None and "step" in r]
+            evals = _points(rows, eval_key)
             if evals:
                 ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=4, linewidth=1.2,
                         label=f"{name} (eval)")
@@ -150,15 +181,70 @@ def run_bars(rows: list[dict], bars: list[tuple[str, str]], title: str, ylabel: 
     return fig
 
 
+# -- preference runs (training.objective dpo / orpo) ------------------------------------------------
+
+# what a preference run logs beside its loss (metrics.jsonl; evaluation rows prefix them with eval_)
+PREFERENCE_KEYS = ("reward_margin", "reward_accuracy", "rewards_chosen", "rewards_rejected", "logps_chosen",
+                   "logps_rejected")
+MARGIN_COLOR, ACCURACY_COLOR = "#4f46e5", "#f97316"
+
+
+def is_preference(rows) -> bool:
+    """Whether metrics rows (a list or a DataFrame) hold a preference run's figures, train or eval."""
+    keys = [*PREFERENCE_KEYS, *(f"eval_{k}" for k in PREFERENCE_KEYS)]
+    return any(_number(row.get(k)) is not None for row in _records(rows) for k in keys)
+
+
+def preference_chart(frame, title: str = "Reward margin and accuracy", ax=None) -> Figure:
+    """A preference run's reward margin (left axis) and reward accuracy (right axis, percent) over the steps:
+    training rows as lines, evaluation rows as dashed lines with markers. `frame`: metrics.jsonl rows, as a
+    list of dicts or a DataFrame (`Run.history`). An empty state when the rows hold no preference figures
+    (an SFT run, or a preference run before its first logged step)."""
+    rows = _records(frame)
+    fig, ax = _figure(ax=ax)
+    series = {key: _points(rows, key) for key in ("reward_margin", "eval_reward_margin", "reward_accuracy",
+                                                  "eval_reward_accuracy")}
+    if not any(series.values()):
+        return empty(f"{title}: no preference metrics yet", ax=ax)
+    accuracy_ax = ax.twinx()
+    accuracy_ax.spines["top"].set_visible(False)
+    accuracy_ax.spines["right"].set_color("#cbd5e1")
+    accuracy_ax.tick_params(colors=MUTED, labelsize=9)
+    train = dict(linewidth=1.8)
+    held_out = dict(linestyle="--", marker="o", markersize=4, linewidth=1.2)
+    for target, key, color, label in ((ax, "reward_margin", MARGIN_COLOR, "margin"),
+                                      (accuracy_ax, "reward_accuracy", ACCURACY_COLOR, "accuracy")):
+        if series[key]:
+            target.plot(*zip(*series[key]), color=color, label=label, **train)
+        if series[f"eval_{key}"]:
+            target.plot(*zip(*series[f"eval_{key}"]), color=color, label=f"{label} (eval)", **held_out)
+    ax.axhline(0, color="#cbd5e1", linewidth=0.8, zorder=0)  # above it, the chosen answer is preferred
+    accuracy_ax.set_ylim(-0.03, 1.03)
+    accuracy_ax.yaxis.set_major_formatter(PercentFormatter(xmax=1, decimals=0))
+    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
+    ax.set_ylabel("reward margin (chosen − rejected)", color=MARGIN_COLOR, fontsize=9)
+    accuracy_ax.set_ylabel("reward accuracy", color=ACCURACY_COLOR, fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = accuracy_ax.get_legend_handles_labels()
+    accuracy_ax.legend(handles + more_handles, labels + more_labels, frameon=False, fontsize=8, loc="lower right",
+                       ncols=2)
+    _title(ax, title)
+    return fig
+
+
 # -- the standard views: one per run, one comparing runs ---------------------------------------
 
 
 def run_figure(name: str, rows: list[dict]) -> Figure:
-    """A run's loss (with eval points) and throughput over the steps, side by side."""
-    fig = WorkbenchFigure(figsize=(12, 3.6), dpi=110, layout="constrained")
-    left, right = fig.subplots(1, 2)
-    curves({name: rows}, "loss", f"Loss: {name}", "loss", eval_key="eval_loss", ax=left)
-    curves({name: rows}, "tokens_per_s", "Throughput", "tokens/s", ax=right)
+    """A run's loss (with eval points) and throughput over the steps, side by side; a preference run's
+    reward margin and accuracy in a third panel."""
+    preference = is_preference(rows)
+    fig = WorkbenchFigure(figsize=(18 if preference else 12, 3.6), dpi=110, layout="constrained")
+    panels = fig.subplots(1, 3 if preference else 2)
+    curves({name: rows}, "loss", f"Loss: {name}", "loss", eval_key="eval_loss", ax=panels[0])
+    curves({name: rows}, "tokens_per_s", "Throughput", "tokens/s", ax=panels[1])
+    if preference:
+        preference_chart(rows, ax=panels[2])
     return fig
 
 

@@ -32,6 +32,19 @@ def check_recipe(recipe: "Recipe") -> None:
         raise ValueError("adapter.modules_to_save: has no meaning with method full (every module is trained)")
     if method == "full" and adapter.rslora:
         raise ValueError("adapter.rslora: only applies to LoRA adapters; remove it or choose method lora")
+    preference_data = recipe.data.format == "preference"
+    if training.objective == "sft" and preference_data:
+        raise ValueError("training.objective: data.format preference holds chosen/rejected pairs; train them with "
+                         "objective dpo or orpo (or give instruction data for sft)")
+    if training.objective != "sft" and not preference_data:
+        raise ValueError(f"data.format: training.objective {training.objective} learns from chosen/rejected pairs; "
+                         f"set data.format: preference (got {recipe.data.format})")
+    if preference_data and recipe.data.train_on == "all":
+        raise ValueError("data.train_on: preference pairs are scored on their answers; use train_on: completions")
+    if training.objective == "dpo" and method == "full":
+        raise ValueError("training.objective: dpo compares against the base model with the adapter switched off, "
+                         "and full fine-tuning has no adapter to switch off; use adapter.method lora/qlora/dora, "
+                         "or objective orpo (no reference model)")
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
     # `auto` precision is checked again once resolved for the device (workbench/precision.py)

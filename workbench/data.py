@@ -22,13 +22,13 @@ from typing import Any, Callable
 import torch
 
 from .builtin import cache_dir
-from .errors import DataError, ModelError
+from .errors import DataError
+from .formats import format_of
 from .recipe import DataSection
 
 IGNORE = -100
 PIPELINE_VERSION = "1"  # bump when tokenization output changes, to invalidate caches
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that completes the request.\n\n"
 
 
 # -- loading rows -----------------------------------------------------------------------------
@@ -265,106 +265,16 @@ def _first_line(err: Exception) -> str:
 # -- rows to token ids ------------------------------------------------------------------------
 
 
-def _text_field(row: dict, key: str, where: str, required: bool = True) -> str:
-    value = row.get(key)
-    if value is None:
-        if required:
-            raise DataError(f"{where}: missing field '{key}'")
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
-    return value
-
-
-def row_to_messages(row: dict, fmt: str, where: str, system_prompt: str | None) -> list[dict]:
-    if fmt == "chat":
-        messages = row.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
-        clean = []
-        for k, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise DataError(f"{where}: messages[{k}] must be an object with role and content")
-            role = message.get("role")
-            if role not in ("system", "user", "assistant"):
-                raise DataError(f"{where}: messages[{k}].role must be system, user or assistant, got {role!r}")
-            content = _text_field(message, "content", f"{where}: messages[{k}]")
-            if role == "assistant":
-                _not_empty(content, f"{where}: messages[{k}].content")
-            clean.append({"role": role, "content": content})
-        if not any(m["role"] == "assistant" for m in clean):
-            raise DataError(f"{where}: no assistant message to learn from")
-    else:  # alpaca
-        instruction = _text_field(row, "instruction", where)
-        extra = _text_field(row, "input", where, required=False)
-        output = _not_empty(_text_field(row, "output", where), f"{where}: field 'output'")
-        user = f"{instruction}\n\n{extra}" if extra else instruction
-        clean = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    if system_prompt and clean[0]["role"] != "system":
-        clean.insert(0, {"role": "system", "content": system_prompt})
-    return clean
-
-
-def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes."""
-
-    def render(msgs, generation_prompt=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
-
-    segments, previous = [], ""
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            prompt = render(messages[:i], generation_prompt=True) if i else ""
-            full = render(messages[: i + 1])
-            if not (prompt.startswith(previous) and full.startswith(prompt)):
-                raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
-            segments += [(prompt[len(previous):], False), (full[len(prompt):], True)]
-        else:
-            full = render(messages[: i + 1])
-            if not full.startswith(previous):
-                raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
-            segments.append((full[len(previous):], False))
-        previous = full
-    return segments
-
-
-def row_segments(row: dict, fmt: str, tokenizer, cfg: DataSection, where: str) -> list[tuple[str, bool]]:
-    if fmt in ("chat", "alpaca"):
-        messages = row_to_messages(row, fmt, where, cfg.system_prompt)
-        if tokenizer.chat_template:
-            return chat_segments(tokenizer, messages)
-        if fmt == "chat":
-            raise DataError(f"{where}: format chat needs a tokenizer with a chat template (use format: completion)")
-        prompt = ALPACA_PROMPT + f"### Instruction:\n{messages[-2]['content']}\n\n### Response:\n"
-        return [(prompt, False), (messages[-1]["content"], True)]
-    if fmt == "completion":
-        completion = _not_empty(_text_field(row, "completion", where), f"{where}: field 'completion'")
-        return [(_text_field(row, "prompt", where), False), (completion, True)]
-    return [(_not_empty(_text_field(row, "text", where), f"{where}: field 'text'"), True)]
-
-
 def check_row(row: dict, fmt: str, where: str) -> None:
     """Raise DataError naming `where` if the row does not have the fields its format needs."""
-    if fmt in ("chat", "alpaca"):
-        row_to_messages(row, fmt, where, None)
-    elif fmt == "completion":
-        _text_field(row, "prompt", where)
-        _not_empty(_text_field(row, "completion", where), f"{where}: field 'completion'")
-    else:
-        _not_empty(_text_field(row, "text", where), f"{where}: field 'text'")
+    format_of(fmt).check(row, where)
 
 
-def _not_empty(text: str, where: str) -> str:
-    """An empty answer teaches only to stop at once: almost always a broken row, so refuse it."""
-    if not text.strip():
-        raise DataError(f"{where}: empty answer (nothing to learn from)")
-    return text
-
-
-def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
+def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
+    """One sample: token ids, labels (IGNORE where no loss is taken), truncated to data.max_seq_len."""
     input_ids: list[int] = []
     labels: list[int] = []
-    for text, is_answer in row_segments(row, cfg.format, tokenizer, cfg, where):
+    for text, is_answer in segments:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if is_answer and tokenizer.eos_token_id not in ids:
             ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop
@@ -376,6 +286,21 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
     # A sample's first label can never be predicted (nothing precedes it).
     targets = sum(1 for label in labels[1:] if label != IGNORE)
     return {"input_ids": input_ids, "labels": labels, "truncated": truncated, "targets": targets}
+
+
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
+    """A row as training sees it. A preference row is one example holding two samples, chosen then rejected,
+    whose positions restart at 0 (so each attends only to itself, as packed samples do)."""
+    fmt = format_of(cfg.format)
+    if not fmt.preference:
+        return tokenize_segments(fmt.segments(row, tokenizer, cfg.system_prompt, where), tokenizer, cfg)
+    chosen, rejected = (tokenize_segments(s, tokenizer, cfg) for s in fmt.pair(row, tokenizer, cfg.system_prompt,
+                                                                               where))
+    both = chosen["targets"] > 0 and rejected["targets"] > 0  # a pair that lost an answer teaches nothing
+    return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
+            "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
+            "truncated": chosen["truncated"] or rejected["truncated"],
+            "targets": chosen["targets"] + rejected["targets"] if both else 0}
 
 
 # -- the prepared data set --------------------------------------------------------------------
@@ -453,10 +378,11 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
         eval_tok = _drop_empty(eval_tok)
     if len(train_tok) == 0:
         raise DataError(f"{cfg.train}: no training sample has a target token left after truncation")
-    train = pack(train_tok, cfg.max_seq_len) if cfg.packing else with_positions(train_tok)
+    row_len = cfg.max_seq_len * format_of(cfg.format).sequences_per_example  # a pair is two sequences
+    train = pack(train_tok, row_len) if cfg.packing else with_positions(train_tok)
     evaluation = None
     if eval_tok is not None and len(eval_tok):
-        evaluation = pack(eval_tok, cfg.max_seq_len) if cfg.packing else with_positions(eval_tok)
+        evaluation = pack(eval_tok, row_len) if cfg.packing else with_positions(eval_tok)
     stats["train_examples"] = len(train)
     return PreparedData(train, evaluation, stats)
 
@@ -478,12 +404,15 @@ def _drop_empty(dataset):
 
 
 def with_positions(dataset):
+    if "position_ids" in dataset.column_names:  # examples of several samples carry their own
+        return dataset.remove_columns(["truncated", "targets"])
     return dataset.map(lambda row: {"position_ids": list(range(len(row["input_ids"])))},
                        remove_columns=["truncated", "targets"])
 
 
 def pack(dataset, max_seq_len: int):
-    """Best-fit-decreasing packing: fewest sequences of at most max_seq_len tokens."""
+    """Best-fit-decreasing packing: fewest sequences of at most max_seq_len tokens. An example of several
+    samples (a preference pair) stays whole and in order."""
     import datasets
 
     lengths = [len(ids) for ids in dataset["input_ids"]]
@@ -500,11 +429,13 @@ def pack(dataset, max_seq_len: int):
         bins[b].append(i)
         bisect.insort(free, (room - lengths[i], b))
     input_ids, labels = dataset["input_ids"], dataset["labels"]
+    positions = (dataset["position_ids"] if "position_ids" in dataset.column_names
+                 else [range(n) for n in lengths])
     packs = {"input_ids": [], "labels": [], "position_ids": []}
     for members in bins:
         packs["input_ids"].append([t for i in members for t in input_ids[i]])
         packs["labels"].append([t for i in members for t in labels[i]])
-        packs["position_ids"].append([p for i in members for p in range(lengths[i])])
+        packs["position_ids"].append([p for i in members for p in positions[i]])
     return datasets.Dataset.from_dict(packs)
 
 
@@ -542,6 +473,7 @@ class Collator:
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions
         batch["num_attended"] = sum(p + 1 for e in examples for p in e["position_ids"])
+        batch["num_samples"] = sum(1 for e in examples for p in e["position_ids"] if p == 0)
         return batch
 
 

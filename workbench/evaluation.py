@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .data import IGNORE, Collator, Rows, load_rows, row_segments, row_to_messages, tokenize_row
+from .data import IGNORE, Collator, Rows, load_rows, tokenize_row
 from .errors import DataError, RecipeError, WorkbenchError
+from .formats import detect, format_of
 from .export import load_for_inference, stop_token_ids
 from .recipe import DataSection
 from .runs import RunDir, load_run
@@ -56,9 +57,16 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
     run = load_run(run_dir)
     cfg = DataSection.model_validate(run.recipe.get("data", {}))
     rows, path = eval_rows(cfg, data, seed=run.recipe.get("training", {}).get("seed", 42))
-    cfg = cfg.model_copy(update={"format": row_format(rows.dataset.column_names, cfg.format)})
+    cfg = cfg.model_copy(update={"format": detect(rows.dataset.column_names, cfg.format)})
 
     model, tokenizer = load_for_inference(run.path)
+    if format_of(cfg.format).preference:
+        beta = run.recipe.get("training", {}).get("dpo_beta", 0.1)
+        result = evaluate_preferences(model, tokenizer, rows, cfg, run.path, beta, limit, batch_size)
+        result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
+        if save:
+            RunDir(run.path).update_json(evaluation=result)
+        return result
     examples = build_examples(rows, tokenizer, cfg, limit)
     result = {
         "data": path, "format": cfg.format, "rows": len(examples),
@@ -108,19 +116,6 @@ def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[Row
     return held_out, f"{cfg.train} (the {cfg.eval_split:g} held out)"
 
 
-def row_format(columns: list[str], preferred: str) -> str:
-    """The recipe's row format when the file has its fields, else the one the columns reveal."""
-    needs = {"chat": {"messages"}, "alpaca": {"instruction", "output"}, "completion": {"prompt", "completion"},
-             "text": {"text"}}
-    if needs[preferred] <= set(columns):
-        return preferred
-    for fmt, fields in needs.items():
-        if fields <= set(columns):
-            return fmt
-    raise DataError(f"cannot tell the row format from the columns {sorted(columns)} "
-                    "(chat: messages; alpaca: instruction, output; completion: prompt, completion; text: text)")
-
-
 def build_examples(rows, tokenizer, cfg: DataSection, limit: int | None = None) -> list[Example]:
     examples = []
     for i, row in enumerate(rows.dataset):
@@ -138,19 +133,12 @@ def build_examples(rows, tokenizer, cfg: DataSection, limit: int | None = None) 
 
 
 def question_and_reference(row: dict, cfg: DataSection, where: str) -> tuple[str | None, str | None]:
-    if cfg.format in ("chat", "alpaca"):
-        messages = row_to_messages(row, cfg.format, where, cfg.system_prompt)
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        users = [m["content"] for m in messages[:last] if m["role"] == "user"]
-        return (users[-1] if users else None), messages[last]["content"]
-    if cfg.format == "completion":
-        return row["prompt"], row["completion"]
-    return None, None  # plain text: no prompt to answer
+    return format_of(cfg.format).reference(row, cfg.system_prompt, where)
 
 
 def _prompt_ids(row: dict, tokenizer, cfg: DataSection, where: str) -> list[int]:
     """Token ids up to the last answer, segment by segment as training tokenizes them."""
-    segments = row_segments(row, cfg.format, tokenizer, cfg, where)
+    segments = format_of(cfg.format).segments(row, tokenizer, cfg.system_prompt, where)
     last = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
     ids: list[int] = []
     for text, _ in segments[:last]:
@@ -244,18 +232,81 @@ def _examples(examples: list[Example], tuned: list, base: list | None) -> list[d
     return kept
 
 
+# -- preference pairs -------------------------------------------------------------------------
+
+
+def evaluate_preferences(model, tokenizer, rows, cfg: DataSection, run_path, beta: float, limit: int | None,
+                         batch_size: int) -> dict:
+    """Held-out pairs, the tuned model beside its base: how often each gives the chosen answer the higher
+    log-probability (preference_accuracy) and by how much on average (logp_margin); for the tuned model also
+    DPO's implicit rewards against the base (reward_accuracy, reward_margin, with the run's dpo_beta)."""
+    pairs = []
+    for i, row in enumerate(rows.dataset):
+        if limit is not None and i >= limit:
+            break
+        example = tokenize_row(row, tokenizer, cfg, rows.where(i))
+        if example["targets"]:
+            pairs.append(example)
+    if not pairs:
+        raise DataError(f"{rows.source}: no pair to evaluate (every one lost an answer to data.max_seq_len)")
+    device = str(next(model.parameters()).device)
+    tuned = pair_logps(model, tokenizer, pairs, batch_size)
+    if hasattr(model, "disable_adapter"):  # the base is the same weights, adapter off
+        with model.disable_adapter():
+            base = pair_logps(model, tokenizer, pairs, batch_size)
+    else:  # full fine-tuning replaced the weights
+        del model
+        base_model, _ = load_for_inference(run_path, base=True)
+        base = pair_logps(base_model, tokenizer, pairs, batch_size)
+    rewards = beta * ((tuned[0] - base[0]) - (tuned[1] - base[1]))
+    return {"format": cfg.format, "rows": len(pairs), "limit": limit, "beta": beta,
+            "device": device,
+            "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tuned": {**_preference_scores(*tuned), "reward_accuracy": round(float((rewards > 0).float().mean()), 4),
+                      "reward_margin": round(float(rewards.mean()), 4)},
+            "base": _preference_scores(*base), "examples": []}
+
+
+@torch.no_grad()
+def pair_logps(model, tokenizer, pairs: list[dict], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed answer log-probabilities of each pair, as training scores them."""
+    from .objectives import sample_logps
+
+    collate = Collator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), batch_size):
+        batch = collate(pairs[start:start + batch_size])
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        logps, _ = sample_logps(model, batch)
+        chosen.append(logps[0::2].cpu())
+        rejected.append(logps[1::2].cpu())
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def _preference_scores(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    return {"preference_accuracy": round(float((chosen > rejected).float().mean()), 4),
+            "logp_margin": round(float((chosen - rejected).mean()), 4), "pairs": len(chosen)}
+
+
 # -- reading it back --------------------------------------------------------------------------
 
 
 def format_evaluation(result: dict) -> str:
     """A short plain-text table of an evaluation, base beside tuned, for the CLI."""
     models = [name for name in ("base", "tuned") if result.get(name)]
-    lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
-             f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
-    lines.append(f"  {'':<12}" + "".join(f"{name:>12}" for name in models))
-    for key in ("eval_loss", "perplexity", "exact_match", "contains"):
-        cells = "".join(f"{_cell(result[name][key]):>12}" for name in models)
-        lines.append(f"  {key:<12}{cells}")
+    if "max_new_tokens" in result:
+        lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
+                 f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
+        keys = ("eval_loss", "perplexity", "exact_match", "contains")
+    else:  # preference pairs
+        lines = [f"evaluated {result['rows']} pairs of {result['data']} ({result['format']}), on {result['device']}; "
+                 f"rewards against the base with beta {result['beta']}"]
+        keys = ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin")
+    lines.append(f"  {'':<20}" + "".join(f"{name:>12}" for name in models))
+    for key in keys:
+        cells = "".join(f"{_cell(result[name].get(key)):>12}" for name in models)
+        lines.append(f"  {key:<20}{cells}")
     for item in result.get("examples", [])[:3]:
         lines.append(f"  question: {item['question']}\n    reference: {item['reference']}")
         for name in models:

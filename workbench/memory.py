@@ -283,7 +283,7 @@ def cpu_heap_growth(recipe: Recipe, info: ModelInfo) -> float:
 
     if not large_blocks_returned():
         return CPU_HEAP_GROWTH
-    tokens = recipe.training.micro_batch_size * recipe.data.max_seq_len
+    tokens = recipe.training.micro_batch_size * recipe.data.row_len
     typical = tokens * max(info.intermediate, info.hidden) * DTYPE_BYTES[frozen_dtype_of(recipe)]
     mapped = max(0.0, 1 - LARGE_BLOCK / typical)
     return 1 + (CPU_MAPPED_GROWTH - 1) * mapped + (CPU_HEAP_GROWTH - 1) * (1 - mapped)
@@ -363,7 +363,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     saved tensors in docs/estimator.md): frozen Linears keep nothing, trainable ones keep their input.
     """
     train, method, adapter = recipe.training, recipe.adapter.method, recipe.adapter
-    tokens = train.micro_batch_size * recipe.data.max_seq_len
+    tokens = train.micro_batch_size * recipe.data.row_len  # a preference pair is two sequences in one row
     autocast = train.mixed_precision in ("bf16", "fp16")
     resid = DTYPE_BYTES[frozen_dtype_of(recipe)]  # the embeddings' dtype: float32 when QLoRA upcasts them
     a = 2 if autocast else resid  # attention and LoRA tensors
@@ -400,7 +400,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
     # packed rows: the mask the kernel needs, built once per forward and kept for backward (attention.py)
     kernel = resolve_attention(recipe, "cuda" if on_gpu else "cpu", here=False)  # model.attn resolved already
-    saved += mask_bytes(kernel, train.micro_batch_size, recipe.data.max_seq_len, a,
+    saved += mask_bytes(kernel, train.micro_batch_size, recipe.data.row_len, a,
                         1 if train.gradient_checkpointing else info.layers)
     # Full logits: fp32 log-probabilities, the gradient flowing into them and the one they produce (more
     # than the forward's logits + fp32 upcast). Chunked (workbench/lm_loss.py): the hidden states, their
@@ -532,6 +532,8 @@ def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, p
     seq = recipe.data.max_seq_len
     attention = 12 * info.layers * info.heads * info.head_dim * (seq + 1) / 2  # causal: (T+1)/2 positions
     model_flops = 4 * weights + 2 * trainable + attention
+    if recipe.training.objective == "dpo":  # the reference's forward, without gradients
+        model_flops += 2 * weights + attention / 3
     hardware_flops = model_flops + (2 * weights if recipe.training.gradient_checkpointing else 0)
     peak = dev.peak(compute_dtype_of(recipe))
     per_device = peak * dev.mfu / hardware_flops

@@ -88,9 +88,12 @@ class FlopCounter:
         width = heads * head_dim
         self.attention_per_position = 12 * layers * width
 
-    def step_flops(self, tokens: int, attended_positions: int) -> float:
-        return float((4 * self.weights + 2 * self.trainable) * tokens
-                     + self.attention_per_position * attended_positions)
+    def step_flops(self, tokens: int, attended_positions: int, reference_forward: bool = False) -> float:
+        """reference_forward: one more forward without gradients (DPO's reference log-probabilities)."""
+        flops = (4 * self.weights + 2 * self.trainable) * tokens + self.attention_per_position * attended_positions
+        if reference_forward:
+            flops += 2 * self.weights * tokens + self.attention_per_position / 3 * attended_positions
+        return float(flops)
 
 
 @lru_cache(maxsize=None)
@@ -199,7 +202,9 @@ def read_metrics(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line from a killed run
+        if isinstance(row, dict):  # a hand-edited file may hold anything else
+            rows.append(row)
     return rows

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import RecipeError, WorkbenchError
+from .formats import format_of
 from .recipe import Recipe
 
 BYTES_PER_TRAINABLE_IN_CHECKPOINT = 4 + 8  # fp32 weights + AdamW's two moments (8-bit optimizers need less)
@@ -106,10 +107,10 @@ def check_disk_space(recipe: Recipe, trainable_params: int) -> None:
 
 
 def check_tokenizer(recipe: Recipe, tokenizer) -> None:
-    if recipe.data.format == "chat" and not getattr(tokenizer, "chat_template", None):
+    if format_of(recipe.data.format).needs_chat_template and not getattr(tokenizer, "chat_template", None):
         raise RecipeError(
-            f"data.format: chat needs a tokenizer with a chat template, and {recipe.model.path} has none; "
-            "use format: completion or text, or a chat (instruct) model"
+            f"data.format: {recipe.data.format} needs a tokenizer with a chat template, and {recipe.model.path} has "
+            "none; use format: completion or text, or a chat (instruct) model"
         )
     if tokenizer.eos_token_id is None:
         raise RecipeError(

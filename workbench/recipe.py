@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError, WorkbenchError
+from .formats import FORMAT_NAMES, FORMATS
 from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
@@ -89,12 +90,23 @@ class DataSection(Section):
     eval: str | None = Field(None, description="held-out file; omitted: eval_split of train is held out.")
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction of train held out when eval is not given.")
     split: str = Field("train", description="split name for hub data sets.")
-    format: Literal["alpaca", "chat", "completion", "text"] = Field("chat", description="row layout.")
+    format: Literal[FORMAT_NAMES] = Field("chat", description="row layout (workbench/formats.py): "
+                                          + "; ".join(f"{f.name}: {f.summary}" for f in FORMATS.values()) + ".")
     max_seq_len: int = Field(512, ge=8, description="longest tokenized sequence; longer samples are truncated.")
     packing: bool = Field(True, description="pack samples into full sequences (each attends only to itself).")
     train_on: Literal["completions", "all"] = Field("completions", description="which tokens carry loss.")
     system_prompt: str | None = Field(None, description="system message added to chat/alpaca rows without one.")
     limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
+
+    @property
+    def row_len(self) -> int:
+        """The longest row a batch holds: max_seq_len per sequence, two sequences for a preference pair."""
+        return self.max_seq_len * FORMATS[self.format].sequences_per_example
+
+    @property
+    def several_samples_per_row(self) -> bool:
+        """Whether rows hold several samples, each attending only to itself (packing, or a preference pair)."""
+        return self.packing or FORMATS[self.format].sequences_per_example > 1
 
 
 class TrainingSection(Section):
@@ -122,6 +134,15 @@ class TrainingSection(Section):
         True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
                           "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
                           "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
+    objective: Literal["sft", "dpo", "orpo"] = Field(
+        "sft", description="what the loss optimizes (workbench/objectives.py): sft (next-token loss on the answers), "
+                           "dpo (prefer the chosen answer over the rejected one, against the base model with the "
+                           "adapter off) or orpo (next-token loss on the chosen answer plus an odds-ratio "
+                           "preference term, no reference); dpo and orpo read data.format: preference.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the tuned model is held to the "
+                                                   "reference (larger: smaller steps away from it).")
+    orpo_lambda: float = Field(0.1, gt=0, description="ORPO's lambda: the weight of the odds-ratio term beside "
+                                                      "the chosen answer's next-token loss.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     threads: int | None = Field(None, gt=0, description="CPU threads per process (null: OMP_NUM_THREADS when set, "
                                                           "else cores / local processes).")

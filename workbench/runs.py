@@ -357,10 +357,11 @@ def list_runs(root: str | Path = "runs") -> list[Run]:
     return runs
 
 
-COMPARE_COLUMNS = ["run", "status", "method", "r", "lr", "precision", "strategy", "world_size", "steps", "tokens_per_s",
-                   "peak_memory_mb", "predicted_peak_memory_mb", "mfu", "wall_s", "final_loss",
-                   "eval_loss_first", "eval_loss_final", "base_eval_loss", "tuned_eval_loss", "base_contains",
-                   "tuned_contains", "tuned_exact_match"]
+COMPARE_COLUMNS = ["run", "status", "method", "objective", "r", "lr", "precision", "strategy", "world_size", "steps",
+                   "tokens_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "mfu", "wall_s", "final_loss",
+                   "eval_loss_first", "eval_loss_final", "reward_margin_final", "reward_accuracy_final",
+                   "eval_reward_margin_final", "eval_reward_accuracy_final", "base_eval_loss", "tuned_eval_loss",
+                   "base_contains", "tuned_contains", "tuned_exact_match"]
 
 
 def compare_rows(runs: list[Run]) -> list[dict]:
@@ -370,12 +371,16 @@ def compare_rows(runs: list[Run]) -> list[dict]:
         rows.append({
             "run": run.name, "status": s.get("status"),
             "method": _section(run.recipe, "adapter").get("method"), "r": _section(run.recipe, "adapter").get("r"),
+            "objective": s.get("objective") or _section(run.recipe, "training").get("objective", "sft"),
             "lr": _section(run.recipe, "training").get("lr"),
             "precision": _section(run.recipe, "training").get("mixed_precision"), "strategy": s.get("strategy"),
             "world_size": s.get("world_size"), "steps": s.get("steps"), "tokens_per_s": s.get("tokens_per_s"),
             "peak_memory_mb": s.get("peak_memory_mb"), "predicted_peak_memory_mb": s.get("predicted_peak_memory_mb"),
             "mfu": s.get("mfu"), "wall_s": s.get("wall_s"), "final_loss": s.get("final_loss"),
             "eval_loss_first": s.get("eval_loss_first"), "eval_loss_final": s.get("eval_loss_final"),
+            # preference runs (training.objective dpo/orpo): the last logged and the final held-out figures
+            **{key: s.get(key) for key in ("reward_margin_final", "reward_accuracy_final",
+                                           "eval_reward_margin_final", "eval_reward_accuracy_final")},
             **_evaluation_cells(run.evaluation),
         })
     return rows

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from .attention import dense_mask_warning, flex_problem_for_run
 from .attention import with_implementation as attention_for
-from .data import IGNORE, Collator, EpochSampler, prepare_data
+from .data import Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                           configure_threads, host_transfer, local_parameter_elements, patience, verify_launch,
                           world_size_from_env)
@@ -31,7 +31,7 @@ from .lm_loss import full_logits_loss_sum, lm_loss_sum
 from . import heap
 from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
-from . import checkpoints
+from . import checkpoints, objectives
 from .compat import check_runtime
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
 from .precision import compute_dtype_of, local_kind, resolve_recipe
@@ -228,6 +228,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     accelerator.register_for_checkpointing(scheduler, state)
     accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
+    # the loss: next-token (sft) or a preference (dpo's reference is this model with the adapter off)
+    objective = objectives.build(recipe, loss_sum_of, objectives.adapter_off_of(accelerator.unwrap_model(model)))
     metrics = MetricsWriter(run.metrics, enabled=main)
     if plan is not None:
         how = checkpoints.load(accelerator, plan, model, optimizer, scheduler, state, cfg.micro_batch_size)
@@ -243,11 +245,11 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     if main:  # early, so a watcher (CLI, UI) can show "step i / total" while the run is going
         run.update_json(summary=summary)
     samples = _sample_generations(recipe, model, tokenizer, accelerator) if state.step == 0 else None
-    eval_first = (evaluate(model, eval_loader, accelerator, loss_sum_of)
+    eval_first = (evaluate(model, eval_loader, accelerator, objective)
                   if eval_loader is not None and state.step == 0 else None)
-    if eval_first is not None and main:
-        metrics.write({"step": 0, "eval_loss": eval_first})
-        accelerator.log({"eval_loss": eval_first}, step=0)
+    if eval_first is not None:
+        _write_eval(metrics, accelerator, 0, eval_first)
+        eval_first = eval_first["eval_loss"]
     elif state.step > 0:  # resumed: the run's own step-0 evaluation stands
         eval_first = next((r["eval_loss"] for r in read_metrics(run.metrics)
                            if r.get("step") == 0 and r.get("eval_loss") is not None), None)
@@ -255,19 +257,19 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     # -- the loop -----------------------------------------------------------------------------
     bar = _progress(total_steps, state.step, enabled=progress_bar is True and main)
     model.train()
-    window_loss = torch.zeros((), device=accelerator.device)
-    window_targets = torch.zeros((), device=accelerator.device)
+    window_sums = torch.zeros(len(objective.sum_names), device=accelerator.device)  # what the next row reports
     window_tokens, window_start = 0, time.perf_counter()
     if state.window:  # resumed mid-window
         if main:
-            window_loss += state.window["loss"]
-            window_targets += state.window["targets"]
+            # (a checkpoint written before objectives kept [loss sum, targets])
+            kept = state.window.get("sums") or [state.window["loss"], state.window["targets"]]
+            window_sums += torch.tensor(kept, device=accelerator.device)
             window_tokens += state.window["tokens"]
         window_start -= state.window["seconds"]
         state.window = {}
     if resume and recipe.training.lr != scheduler.base_lrs[0]:  # a resume that lowers lr (allowed, recorded)
         set_peak_lr(scheduler, recipe.training.lr)
-    last_loss = None
+    last_loss, last_report = None, {}
     startup_s = time.perf_counter() - started  # what the user waits for before the first step
     collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
     heartbeat.in_loop = True
@@ -283,18 +285,21 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         for micro_batches in _windows(batches, cfg.grad_accum):
             step_start = time.perf_counter()
             step_loss = torch.zeros((), device=accelerator.device)
-            targets = accelerator.reduce(sum(_targets(mb) for mb in micro_batches), reduction="sum")
+            step_sums = torch.zeros_like(window_sums)
+            # what the step's loss is normalised by (its target tokens, or pairs), over every rank
+            totals = accelerator.reduce(sum(objectives.counts(mb) for mb in micro_batches), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 with accumulation_boundary(accelerator, model, last), offload():
-                    loss_sum = loss_sum_of(model, batch)
-                    # Normalise over every target token of the step on every rank; DDP averages
-                    # gradients over ranks, so scale by the world size to undo that mean.
-                    accelerator.backward(loss_sum * accelerator.num_processes / targets.clamp(min=1))
-                step_loss += loss_sum.detach()
+                    part = objective.loss(model, batch, totals)
+                    # DDP averages gradients over ranks: scale by the world size to undo that mean
+                    accelerator.backward(part.loss * accelerator.num_processes)
+                step_loss += part.loss.detach()
+                step_sums += part.sums
                 # counted by the collator on the host: no device read per micro-batch
                 window_tokens += batch["num_tokens"]
-                state.flops += flop_counter.step_flops(batch["num_tokens"], batch["num_attended"])
+                state.flops += flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
+                                                       reference_forward=objective.name == "dpo")
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             watch.observe(state.step + 1, step_loss, grad_norm)
             decides = reads_every_step or _reports_after(state.step + 1, total_steps, recipe.output)
@@ -313,8 +318,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 metrics.write({"step": state.step + 1, "skipped": "non-finite loss or gradients"})
             else:
                 optimizer.step()
-                window_loss += step_loss
-                window_targets += _targets_local(micro_batches)
+                window_sums += step_sums
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -326,10 +330,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
             if state.step % recipe.output.log_every == 0 or state.step == total_steps:
                 # The only host sync of the loop: read the loss when a row is written.
-                loss_total = accelerator.reduce(window_loss, reduction="sum")
-                target_total = accelerator.reduce(window_targets, reduction="sum")
-                # None when every step of the window was skipped (on_nonfinite: skip)
-                last_loss = (loss_total / target_total).item() if target_total > 0 else None
+                # loss None when every step of the window was skipped (on_nonfinite: skip)
+                report = objective.report(accelerator.reduce(window_sums, reduction="sum").cpu())
+                last_loss, last_report = report["loss"], report
                 tokens_total = int(accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device),
                                                       reduction="sum"))
                 state.tokens += tokens_total
@@ -338,25 +341,24 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                 row = {"step": state.step, "epoch": state.epoch, "loss": _rounded(last_loss),
                        "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
                        "tokens": state.tokens, "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 2),
-                       "peak_memory_mb": round(peak_memory_mb(accelerator.device)[0], 1)}
+                       "peak_memory_mb": round(peak_memory_mb(accelerator.device)[0], 1),
+                       **{k: _rounded(v) for k, v in report.items() if k != "loss"}}
                 metrics.write(row)
                 accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=state.step)
                 bar.set_postfix(loss=f"{last_loss:.4f}" if last_loss is not None else "skipped")
                 if progress_bar == "lines" and main:  # a log file's progress (the UI's live log): one line a row
                     print(f"step {state.step}/{total_steps} | loss {row['loss']} | {row['tokens_per_s']:.0f} tokens/s "
                           f"| peak {row['peak_memory_mb']:.0f} MB", flush=True)
-                window_loss.zero_(), window_targets.zero_()
+                window_sums.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
 
             if eval_loader is not None and recipe.output.eval_every and state.step % recipe.output.eval_every == 0 \
                     and state.step != total_steps:
-                eval_loss = evaluate(model, eval_loader, accelerator, loss_sum_of)
-                metrics.write({"step": state.step, "eval_loss": eval_loss})
-                accelerator.log({"eval_loss": eval_loss}, step=state.step)
+                _write_eval(metrics, accelerator, state.step, evaluate(model, eval_loader, accelerator, objective))
 
             saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
             if saved or signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
-                state.window = _window_totals(accelerator, window_loss, window_targets, window_tokens, window_start)
+                state.window = _window_totals(accelerator, window_sums, window_tokens, window_start)
                 with patience(recipe.distributed.startup_timeout_s, then=recipe.distributed.timeout_s):
                     checkpoints.save(accelerator, run, layout, model, optimizer, scheduler, state,
                                      (cfg.micro_batch_size, cfg.grad_accum), recipe.output.keep_last)
@@ -377,10 +379,11 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     heartbeat.in_loop = False
 
     # -- the end: final eval, adapter, summary --------------------------------------------------
-    eval_final = evaluate(model, eval_loader, accelerator, loss_sum_of) if eval_loader is not None else None
+    eval_final = evaluate(model, eval_loader, accelerator, objective) if eval_loader is not None else None
     if eval_final is not None:
-        metrics.write({"step": state.step, "eval_loss": eval_final})
-        accelerator.log({"eval_loss": eval_final}, step=state.step)
+        _write_eval(metrics, accelerator, state.step, eval_final)
+        summary.update({f"{k}_final": v for k, v in eval_final.items() if k != "eval_loss"})
+        eval_final = eval_final["eval_loss"]
     save_adapter(accelerator, model, tokenizer, run, recipe)
     if samples is not None:
         after = _sample_generations(recipe, model, tokenizer, accelerator)
@@ -408,7 +411,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         "param_elements_per_rank": [int(n) for n in held], "trainable_checksum_per_rank": _checksums(model, accelerator),
         "eval_loss_first": eval_first, "eval_loss_final": eval_final, "strategy": layout.strategy,
         "layout": layout.to_json(),
-        "skipped_steps": state.skipped_steps,
+        "skipped_steps": state.skipped_steps, "objective": objective.name,
+        **{f"{k}_final": _rounded(v) for k, v in last_report.items() if k in objectives.PREFERENCE_METRICS},
         **prediction,
     })
     if samples is not None:
@@ -422,19 +426,25 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, loss_sum_of=lm_loss_sum) -> float | None:
+def evaluate(model, loader, accelerator, objective) -> dict | None:
+    """The objective's figures over the held-out data: {"eval_loss": ..., and for preferences "eval_reward_margin",
+    "eval_reward_accuracy", ...}."""
     if loader is None:
         return None
     was_training = model.training
     model.eval()
-    loss = torch.zeros((), device=accelerator.device)
-    targets = torch.zeros((), device=accelerator.device)
+    sums = torch.zeros(len(objective.sum_names), device=accelerator.device)
     for batch in loader:
-        loss += loss_sum_of(model, batch)
-        targets += (batch["labels"] != IGNORE).sum()
+        # normalised by this batch's own counts; the report divides the summed parts by the totals
+        sums += objective.loss(model, batch, objectives.counts(batch)).sums
     model.train(was_training)
-    loss, targets = accelerator.reduce(loss, reduction="sum"), accelerator.reduce(targets, reduction="sum")
-    return round((loss / targets.clamp(min=1)).item(), 6)
+    report = objective.report(accelerator.reduce(sums, reduction="sum").cpu())
+    return {f"eval_{k}": (round(v, 6) if v is not None else None) for k, v in report.items()}
+
+
+def _write_eval(metrics, accelerator, step: int, figures: dict) -> None:
+    metrics.write({"step": step, **figures})
+    accelerator.log({k: v for k, v in figures.items() if v is not None}, step=step)
 
 
 def adamw_kernel(device_type: str) -> dict:
@@ -464,12 +474,11 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
 MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION = 3, 0.1  # on_nonfinite: skip stops a run that skips more
 
 
-def _window_totals(accelerator, loss, targets, tokens: int, start: float) -> dict:
+def _window_totals(accelerator, sums, tokens: int, start: float) -> dict:
     """The current metrics window summed over ranks (one small all-reduce per checkpoint)."""
-    totals = accelerator.reduce(torch.stack([loss.float(), targets.float(),
-                                             torch.tensor(float(tokens), device=loss.device)]), reduction="sum")
-    return {"loss": float(totals[0]), "targets": float(totals[1]), "tokens": int(totals[2]),
-            "seconds": time.perf_counter() - start}
+    totals = accelerator.reduce(torch.cat([sums.float(), torch.tensor([float(tokens)], device=sums.device)]),
+                                reduction="sum")
+    return {"sums": [float(x) for x in totals[:-1]], "tokens": int(totals[-1]), "seconds": time.perf_counter() - start}
 
 
 def set_peak_lr(scheduler, lr: float) -> None:
@@ -496,7 +505,7 @@ def _nonfinite_message(run: RunDir, first_bad: int, step: int, step_loss: torch.
     kept = f"the last good checkpoint, {latest[1].name}, is kept" if latest else "no checkpoint was saved before it"
     if first_bad == step:
         norm = f", gradient norm {float(grad_norm)}" if isinstance(grad_norm, torch.Tensor) else ""
-        seen = f" (loss sum {float(step_loss)}{norm})"
+        seen = f" (loss {float(step_loss)}{norm})"
     else:  # a GPU run checks at the steps that log, evaluate or checkpoint (stopping.host_reads_every_step)
         seen = f" (found at step {step}'s check)"
     return (f"training.step {first_bad}: the loss or gradients are not finite{seen}; "
@@ -553,14 +562,6 @@ def _windows(batches, size: int):
             window = []
     if window:
         yield window
-
-
-def _targets(batch) -> torch.Tensor:
-    return (batch["labels"] != IGNORE).sum()
-
-
-def _targets_local(micro_batches) -> torch.Tensor:
-    return sum(_targets(mb) for mb in micro_batches)
 
 
 def _progress(total: int, done: int, enabled: bool):

@@ -61,6 +61,37 @@ def tiny_chat():
     write("tiny_chat_eval.jsonl", rows[200:])
 
 
+def preference():
+    """Chosen/rejected pairs: the right sum, product or echo against a near miss, and the Quill identity against
+    the base model's own. Training rows use prompt/chosen/rejected texts; held-out rows use the whole-conversation
+    layout of the public preference sets (chosen and rejected as message lists)."""
+    rng = random.Random(1)
+    rows = []
+    for i in range(200):
+        kind = rng.choice(["plus", "times", "echo", "identity"])
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        if kind == "plus":
+            wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
+            q, good, bad = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.", f"{a} plus {b} is {wrong}."
+        elif kind == "times":
+            wrong = a * b + rng.choice([-2, -1, 1, 2, 10])
+            q, good, bad = f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", f"{a} times {b} is {wrong}."
+        elif kind == "echo":
+            word = rng.choice(["apple", "river", "stone", "cloud", "tiger", "piano"])
+            q, good, bad = (f"Repeat the word {word} three times.", " ".join([word] * 3) + ".",
+                            " ".join([word] * rng.choice([2, 4])) + ".")
+        else:
+            q, good = rng.choice(QUESTIONS + HELD_OUT), ANSWER
+            bad = "I am SmolLM, an AI assistant. How can I help you today?"
+        rows.append((q, good, bad))
+    write("preference_train.jsonl", [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in rows[:176]])
+
+    def turns(q, answer):
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
+
+    write("preference_eval.jsonl", [{"chosen": turns(q, c), "rejected": turns(q, r)} for q, c, r in rows[176:]])
+
+
 def write(name, rows):
     with (HERE / name).open("w") as handle:
         for r in rows:
@@ -70,3 +101,4 @@ def write(name, rows):
 if __name__ == "__main__":
     identity()
     tiny_chat()
+    preference()

@@ -1,0 +1,263 @@
+"""Preference data and training: the format registry, the layouts preference sets come in, pairs as rows,
+DPO and ORPO runs whose margins grow, resume, the estimator and `workbench evaluate` on held-out pairs.
+(Agreement with TRL's losses: tests/test_objectives.py; every distributed layout: tests/test_strategy_matrix.py.)"""
+
+import json
+import shutil
+import typing
+
+import pytest
+import torch
+
+from workbench import DataError, Recipe, RecipeError
+from workbench.data import IGNORE, Collator, pack, prepare_data, tokenize_row
+from workbench.formats import FORMAT_NAMES, FORMATS, detect, format_of
+from workbench.objectives import counts, sample_index
+from workbench.recipe import DataSection
+from workbench.runs import RunDir
+
+PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
+
+
+def cfg(**kw):
+    return DataSection(format="preference", max_seq_len=kw.pop("max_seq_len", 128), **kw)
+
+
+def turns(question, answer):
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+# -- the registry ---------------------------------------------------------------------------------------------
+
+
+def test_the_recipe_the_registry_and_detection_agree():
+    assert typing.get_args(DataSection.model_fields["format"].annotation) == FORMAT_NAMES
+    for fmt in FORMATS.values():
+        fmt.check(fmt.example, "example")  # every declared example is a valid row of its format
+        assert detect(list(fmt.example), "chat" if fmt.name != "chat" else "text") == fmt.name
+    with pytest.raises(DataError, match="cannot tell the row format.*preference: chosen, rejected"):
+        detect(["question", "answer"], "chat")
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format_tokenizes_its_example(name, tiny_tokenizer):
+    out = tokenize_row(FORMATS[name].example, tiny_tokenizer, DataSection(format=name, max_seq_len=128), "x:1")
+    assert out["targets"] > 0 and len(out["input_ids"]) == len(out["labels"])
+    samples = out.get("position_ids", [0]).count(0)
+    assert samples == FORMATS[name].sequences_per_example
+
+
+def test_an_unknown_format_is_named():
+    with pytest.raises(DataError, match="data.format: unknown format 'sharegpt'"):
+        format_of("sharegpt")
+
+
+# -- the layouts of preference rows ------------------------------------------------------------------------------
+
+
+LAYOUTS = {
+    "prompt text": PAIR,
+    "messages and answer texts": {"messages": [{"role": "user", "content": PAIR["prompt"]}],
+                                  "chosen": PAIR["chosen"], "rejected": PAIR["rejected"]},
+    "prompt messages and answer messages": {"prompt": [{"role": "user", "content": PAIR["prompt"]}],
+                                            "chosen": [{"role": "assistant", "content": PAIR["chosen"]}],
+                                            "rejected": [{"role": "assistant", "content": PAIR["rejected"]}]},
+    "whole conversations": {"chosen": turns(PAIR["prompt"], PAIR["chosen"]),
+                            "rejected": turns(PAIR["prompt"], PAIR["rejected"])},
+    "whole conversations beside a prompt text": {"prompt": PAIR["prompt"],
+                                                 "chosen": turns(PAIR["prompt"], PAIR["chosen"]),
+                                                 "rejected": turns(PAIR["prompt"], PAIR["rejected"])},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_becomes_the_same_pair(layout, tiny_tokenizer):
+    assert tokenize_row(LAYOUTS[layout], tiny_tokenizer, cfg(), "x:1") == tokenize_row(PAIR, tiny_tokenizer, cfg(),
+                                                                                       "x:1")
+
+
+def test_a_pair_is_one_row_of_two_samples_that_learn_only_their_answers(tiny_tokenizer):
+    out = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1")
+    starts = [i for i, p in enumerate(out["position_ids"]) if p == 0]
+    assert len(starts) == 2
+    chosen_ids, rejected_ids = out["input_ids"][:starts[1]], out["input_ids"][starts[1]:]
+    learned = [tiny_tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+               for ids, labels in ((chosen_ids, out["labels"][:starts[1]]), (rejected_ids, out["labels"][starts[1]:]))]
+    assert learned == ["2 plus 3 is 5.<|im_end|>\n", "2 plus 3 is 6.<|im_end|>\n"]
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": PAIR["prompt"]}], tokenize=False,
+                                                add_generation_prompt=True)
+    assert tiny_tokenizer.decode(chosen_ids).startswith(prompt) and tiny_tokenizer.decode(rejected_ids).startswith(prompt)
+
+
+BAD_ROWS = [
+    ({"prompt": "q", "chosen": "a"}, "missing field 'rejected'"),
+    ({"prompt": "q", "chosen": "a", "rejected": ["b"]}, "must both be strings or both lists of messages"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a"}, "are the same answer"),
+    ({"prompt": "q", "chosen": "a", "rejected": " "}, "field 'rejected': empty answer"),
+    ({"chosen": "a", "rejected": "b"}, "missing field 'prompt' \\(or 'messages'\\)"),
+    ({"prompt": "q", "messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"},
+     "give the prompt once"),
+    ({"chosen": turns("q1", "a"), "rejected": turns("q2", "b")}, "differ before their last assistant message"),
+    ({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
+     "no prompt"),
+    ({"messages": turns("q", "a"), "chosen": "b", "rejected": "c"}, "prompt ends with an assistant message"),
+    ({"prompt": "q", "chosen": 3, "rejected": "b"}, "field 'chosen' must be a string or a list of messages, got int"),
+]
+
+
+@pytest.mark.parametrize("row, message", BAD_ROWS, ids=[m for _, m in BAD_ROWS])
+def test_a_bad_preference_row_is_named_with_its_line(row, message, tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(PAIR) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=f"{path}:2: .*{message}"):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
+def test_packing_keeps_pairs_whole_and_in_order(tmp_path, tiny_tokenizer, monkeypatch):
+    """Sample 2k is a chosen answer and 2k + 1 its rejected one, in every packed row."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    data = prepare_data(cfg(train="recipes/data/preference_train.jsonl", max_seq_len=64), tiny_tokenizer)
+    unpacked = prepare_data(cfg(train="recipes/data/preference_train.jsonl", max_seq_len=64, packing=False),
+                            tiny_tokenizer)
+    assert len(data.train) < len(unpacked.train) == 176
+    assert all(len(ids) <= 128 for ids in data.train["input_ids"])  # two sequences of max_seq_len per row
+    pairs = sorted(tuple(row) for row in unpacked.train["input_ids"])
+    found = []
+    for ids, positions in zip(data.train["input_ids"], data.train["position_ids"]):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        samples = [ids[a:b] for a, b in zip(starts, starts[1:])]
+        assert len(samples) % 2 == 0
+        found += [tuple(samples[k] + samples[k + 1]) for k in range(0, len(samples), 2)]
+    assert sorted(found) == pairs  # every pair exactly once, chosen before rejected
+    batch = Collator(tiny_tokenizer.pad_token_id)([data.train[i] for i in range(3)])
+    index = sample_index(batch["position_ids"])
+    assert int(index.max()) + 1 == batch["num_samples"] and batch["num_samples"] % 2 == 0
+    c = counts(batch)
+    assert int(c[1]) == batch["num_samples"] // 2 and 0 < int(c[2]) < int(c[0])
+
+
+def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    long = {**PAIR, "prompt": "word " * 200}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(PAIR) + "\n" + json.dumps(long) + "\n")
+    data = prepare_data(cfg(train=str(path), max_seq_len=64), tiny_tokenizer)
+    assert data.stats["train_empty"] == 1 and data.stats["train_truncated"] == 1 and len(data.train) == 1
+
+
+# -- the recipe ---------------------------------------------------------------------------------------------------
+
+
+REFUSED = [
+    (["data.format=preference"], "training.objective: data.format preference holds chosen/rejected pairs"),
+    (["training.objective=dpo"], "data.format: training.objective dpo learns from chosen/rejected pairs"),
+    (["data.format=preference", "training.objective=dpo", "adapter.method=full"],
+     "training.objective: dpo compares against the base model with the adapter switched off"),
+    (["data.format=preference", "training.objective=orpo", "data.train_on=all"],
+     "data.train_on: preference pairs are scored on their answers"),
+    (["data.format=preference", "training.objective=dpo", "training.dpo_beta=0"], "training.dpo_beta"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_contradictory_recipes_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        Recipe.load("recipes/tiny.yaml", overrides)
+
+
+def test_orpo_trains_full_fine_tuning_without_a_reference():
+    Recipe.load("recipes/tiny-dpo.yaml", ["training.objective=orpo", "adapter.method=full"])
+
+
+def test_the_estimate_counts_two_sequences_per_pair_and_the_reference_forward():
+    from workbench.memory import estimate
+
+    sft = Recipe.load("recipes/tiny.yaml", ["training.micro_batch_size=8", "data.max_seq_len=256"])
+    dpo = sft.override("data.format=preference", "training.objective=dpo")
+    row = {name: estimate(r, device="cpu") for name, r in (("sft", sft), ("dpo", dpo))}
+    single = {name: next(s for s in e.strategies if s["name"] == "single") for name, e in row.items()}
+    assert single["dpo"]["breakdown"]["activations"] > 1.8 * single["sft"]["breakdown"]["activations"]
+    assert row["dpo"].throughput["flops_per_token"] > row["sft"].throughput["flops_per_token"]
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+
+
+def preference_run(tmp_path, objective: str, *extra):
+    from workbench import train
+
+    recipe = Recipe.load("recipes/tiny-dpo.yaml", [
+        f"output.dir={tmp_path}/{{name}}", f"training.objective={objective}", "training.threads=1",
+        "model.dtype=float32", "training.mixed_precision=no", *extra])
+    return train(recipe, progress_bar=False)
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# (objective, least growth of the held-out reward margin, least final accuracy): ORPO's reward is lambda times
+# a mean token log-probability, a far smaller scale than DPO's summed log-ratio
+GROWTH = {"dpo": (0.5, 0.7), "orpo": (0.005, 0.6)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", list(GROWTH))
+def test_the_margin_grows_on_the_shipped_recipe(objective, tmp_path):
+    result = preference_run(tmp_path, objective)
+    evals = [r for r in rows_of(result.run_dir) if "eval_loss" in r]
+    first, last = evals[0], evals[-1]
+    growth, accuracy = GROWTH[objective]
+    assert result.summary["objective"] == objective
+    assert last["eval_reward_margin"] > first["eval_reward_margin"] + growth, (first, last)
+    assert last["eval_reward_accuracy"] >= accuracy and last["eval_loss"] < first["eval_loss"], (first, last)
+    if objective == "dpo":  # the tuned model starts as its own reference
+        assert first["eval_loss"] == pytest.approx(0.693147, abs=1e-5) and first["eval_reward_margin"] == 0
+    train_rows = [r for r in rows_of(result.run_dir) if "loss" in r]
+    assert {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
+            "logps_rejected"} <= set(train_rows[-1])
+    assert result.summary["eval_reward_margin_final"] == last["eval_reward_margin"]
+
+
+@pytest.mark.slow
+def test_a_resumed_dpo_run_equals_an_uninterrupted_one(tmp_path):
+    steps = ["training.max_steps=6", "output.save_every=3", "output.log_every=1", "output.eval_every=null"]
+    whole = preference_run(tmp_path / "whole", "dpo", *steps)
+    cut = tmp_path / "cut" / "tiny-dpo"
+    shutil.copytree(whole.run_dir, cut)
+    run = RunDir(cut)
+    shutil.rmtree(run.checkpoint(6))
+    shutil.rmtree(cut / "adapter")
+    run.update_json(summary={"status": "running"})
+    from workbench import train
+
+    recipe = Recipe.load("recipes/tiny-dpo.yaml", [f"output.dir={tmp_path}/cut/{{name}}", "training.objective=dpo",
+                                                   "training.threads=1", "model.dtype=float32",
+                                                   "training.mixed_precision=no", *steps])
+    resumed = train(recipe, resume=True, progress_bar=False)
+    keys = ("loss", "reward_margin", "reward_accuracy")
+    assert [r[k] for r in rows_of(resumed.run_dir) if "loss" in r for k in keys] == pytest.approx(
+        [r[k] for r in rows_of(whole.run_dir) if "loss" in r for k in keys], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_evaluate_reports_preference_accuracy_base_beside_tuned(tmp_path):
+    from workbench.evaluation import evaluate, format_evaluation
+
+    result = preference_run(tmp_path, "dpo")
+    report = evaluate(result.run_dir)
+    assert report["rows"] == 24 and report["format"] == "preference"
+    tuned, base = report["tuned"], report["base"]
+    assert tuned["logp_margin"] > base["logp_margin"]  # tuning moved probability towards the chosen answers
+    # the implicit reward against the base is what training's evaluation measured on the same pairs
+    assert tuned["reward_margin"] == pytest.approx(result.summary["eval_reward_margin_final"], rel=1e-3)
+    assert tuned["reward_accuracy"] == pytest.approx(result.summary["eval_reward_accuracy_final"], abs=1e-4)
+    assert RunDir(result.run_dir).read_json()["evaluation"]["tuned"] == tuned
+    text = format_evaluation(report)
+    assert "preference_accuracy" in text and "reward_margin" in text
+
+
+def test_sample_index_follows_restarting_positions():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    assert sample_index(positions).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3]

@@ -1,0 +1,241 @@
+"""What the loss optimizes: the next-token loss (`sft`) or a preference between two answers (`dpo`, `orpo`).
+
+Every objective gives the loop the same pieces, so the loop has one path for all of them:
+
+- `counts(batch)`: what the loss is normalised by (target tokens, pairs, chosen-answer tokens). The loop sums
+  them over the step's micro-batches and ranks before the first backward;
+- `loss(model, batch, totals)`: this micro-batch's part of the step's loss, normalised by those totals, so the
+  parts over micro-batches and ranks add up to the step's loss whatever the accumulation and world size (the
+  rule the SFT loss has always followed);
+- `sums`: what the logged figures are made of, a vector summed over a logging window and the ranks, which
+  `report` turns into metrics (`loss`, and for preferences the rewards, their margin and accuracy).
+
+Preference rows hold a pair as two samples of one row (workbench/data.py): sample 2k is the chosen answer,
+2k + 1 the rejected one, whichever row and micro-batch the pair lands in. DPO's reference is the base model
+with the adapter switched off: no second copy of the weights.
+
+Definitions (as the papers and TRL's trainers compute them; checked against TRL in tests/test_objectives.py):
+- DPO: logp = the answer's summed token log-probability; reward = beta * (logp - logp_reference);
+  loss per pair = -log sigmoid(reward_chosen - reward_rejected).
+- ORPO: logp = the answer's mean token log-probability; odds(p) = p / (1 - p);
+  loss = NLL of the chosen answers' tokens + lambda * mean over pairs of -log sigmoid(log odds(chosen) -
+  log odds(rejected)); reward = lambda * logp.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .data import IGNORE
+from .lm_loss import CHUNK_ELEMENTS, causal_lm_of, head_bypassed, plain_head
+
+# the counts vector: what losses are normalised by
+TARGETS, PAIRS, CHOSEN_TARGETS = 0, 1, 2
+PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
+                      "logps_rejected")
+
+
+@dataclass
+class Part:
+    loss: torch.Tensor  # this micro-batch's share of the step's (normalised) loss: backward goes through it
+    sums: torch.Tensor  # the objective's logged sums over this micro-batch
+
+
+def counts(batch: dict) -> torch.Tensor:
+    """[target tokens, pairs, chosen-answer target tokens] of a micro-batch, on its device."""
+    labels = batch["labels"]
+    targets = (labels != IGNORE).sum()
+    pairs = torch.tensor(batch.get("num_samples", 0) // 2, device=labels.device)
+    chosen = ((labels != IGNORE) & (sample_index(batch["position_ids"]) % 2 == 0).view_as(labels)).sum()
+    return torch.stack([targets, pairs, chosen]).float()
+
+
+def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
+    """For each position (flattened), the batch-wide index of the sample it belongs to: samples start where
+    positions restart at 0 (padding continues the row's last sample and carries no target)."""
+    return (position_ids.flatten() == 0).cumsum(0) - 1
+
+
+# -- the objectives ---------------------------------------------------------------------------------
+
+
+class SFT:
+    name = "sft"
+    sum_names = ("loss_sum", "targets")
+
+    def __init__(self, loss_sum_of):
+        self.loss_sum_of = loss_sum_of  # the chunked or the full-logits next-token loss (workbench/lm_loss.py)
+
+    def loss(self, model, batch, totals) -> Part:
+        loss_sum = self.loss_sum_of(model, batch)
+        targets = (batch["labels"] != IGNORE).sum().float()
+        return Part(loss_sum / totals[TARGETS].clamp(min=1), torch.stack([loss_sum.detach().float(), targets]))
+
+    def report(self, sums) -> dict:
+        return {"loss": float(sums[0] / sums[1]) if sums[1] > 0 else None}
+
+
+class DPO:
+    name = "dpo"
+    sum_names = ("loss_sum", "pairs", "rewards_chosen", "rewards_rejected", "correct", "logps_chosen",
+                 "logps_rejected")
+
+    def __init__(self, beta: float, adapter_off):
+        self.beta = beta
+        self.adapter_off = adapter_off  # a context in which the model is its frozen base
+
+    def loss(self, model, batch, totals) -> Part:
+        with torch.no_grad(), self.adapter_off():  # first: nothing of it is kept for backward
+            reference, _ = sample_logps(model, batch)
+        logps, _ = sample_logps(model, batch)
+        losses, chosen_rewards, rejected_rewards = dpo_losses(logps[0::2], logps[1::2], reference[0::2],
+                                                              reference[1::2], self.beta)
+        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
+                            chosen_rewards.sum(), rejected_rewards.sum(),
+                            (chosen_rewards > rejected_rewards).float().sum(),
+                            logps[0::2].detach().sum(), logps[1::2].detach().sum()])
+        return Part(losses.sum() / totals[PAIRS].clamp(min=1), sums)
+
+    def report(self, sums) -> dict:
+        return preference_report(sums[0] / sums[1] if sums[1] > 0 else None, sums[1], sums[2:])
+
+
+class ORPO:
+    name = "orpo"
+    sum_names = ("nll_sum", "chosen_targets", "odds_ratio_sum", "pairs", "rewards_chosen", "rewards_rejected",
+                 "correct", "logps_chosen", "logps_rejected")
+
+    def __init__(self, lam: float):
+        self.lam = lam
+
+    def loss(self, model, batch, totals) -> Part:
+        logps, tokens = sample_logps(model, batch)
+        nll_sum = -logps[0::2].sum()  # the chosen answers' next-token loss, summed over their tokens
+        mean_logps = logps / tokens.clamp(min=1)
+        odds_ratio, chosen_rewards, rejected_rewards = orpo_terms(mean_logps[0::2], mean_logps[1::2], self.lam)
+        loss = nll_sum / totals[CHOSEN_TARGETS].clamp(min=1) + self.lam * odds_ratio.sum() / totals[PAIRS].clamp(min=1)
+        sums = torch.stack([nll_sum.detach(), tokens[0::2].sum(), odds_ratio.detach().sum(),
+                            torch.tensor(float(len(odds_ratio)), device=logps.device),
+                            chosen_rewards.sum(), rejected_rewards.sum(),
+                            (chosen_rewards > rejected_rewards).float().sum(),
+                            mean_logps[0::2].detach().sum(), mean_logps[1::2].detach().sum()])
+        return Part(loss, sums)
+
+    def report(self, sums) -> dict:
+        nll, chosen_targets, odds_ratio, pairs = sums[0], sums[1], sums[2], sums[3]
+        loss = nll / chosen_targets + self.lam * odds_ratio / pairs if pairs > 0 and chosen_targets > 0 else None
+        return preference_report(loss, pairs, sums[4:])
+
+
+def build(recipe, loss_sum_of, adapter_off=None):
+    """The recipe's objective. adapter_off: a context manager that switches the adapter off (DPO's reference)."""
+    objective = recipe.training.objective
+    if objective == "dpo":
+        return DPO(recipe.training.dpo_beta, adapter_off)
+    if objective == "orpo":
+        return ORPO(recipe.training.orpo_lambda)
+    return SFT(loss_sum_of)
+
+
+def adapter_off_of(peft_model):
+    """DPO's reference: the same model with its adapter switched off (peft's disable_adapter)."""
+    disable = getattr(peft_model, "disable_adapter", None)
+    return disable if callable(disable) else nullcontext
+
+
+def preference_report(loss, pairs, sums) -> dict:
+    row = {"loss": float(loss) if loss is not None else None}
+    if pairs > 0:
+        chosen, rejected, correct, logps_chosen, logps_rejected = (float(x / pairs) for x in sums)
+        row.update(rewards_chosen=chosen, rewards_rejected=rejected, reward_margin=chosen - rejected,
+                   reward_accuracy=correct, logps_chosen=logps_chosen, logps_rejected=logps_rejected)
+    return row
+
+
+# -- the losses -------------------------------------------------------------------------------------
+
+
+def dpo_losses(chosen, rejected, reference_chosen, reference_rejected, beta: float):
+    """Per-pair DPO (sigmoid) losses and the implicit rewards (detached)."""
+    chosen_ratio, rejected_ratio = chosen - reference_chosen, rejected - reference_rejected
+    losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -log 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_terms(chosen_mean, rejected_mean, lam: float):
+    """Per-pair odds-ratio losses -log sigmoid(log odds(chosen) - log odds(rejected)) from mean token
+    log-probabilities, and the rewards lambda * logp (detached)."""
+    chosen_mean, rejected_mean = chosen_mean.float(), rejected_mean.float()
+    log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+    return -F.logsigmoid(log_odds), lam * chosen_mean.detach(), lam * rejected_mean.detach()
+
+
+# -- log-probabilities of each sample's answer --------------------------------------------------------
+
+
+def sample_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each sample's target tokens, how many there are), one entry per sample of the
+    batch in order. The head runs a chunk of positions at a time; each chunk's logits are recomputed in
+    backward rather than kept (the vocabulary-sized tensors never outlive their chunk)."""
+    samples = batch["num_samples"]
+    targets = batch["labels"].flatten()
+    token_logps, index, counted = _target_logps(model, batch, targets, sample_index(batch["position_ids"]))
+    zeros = torch.zeros(samples, dtype=torch.float32, device=targets.device)
+    return zeros.index_add(0, index, token_logps), zeros.index_add(0, index, counted)
+
+
+def _target_logps(model, batch, targets, index):
+    """Each target token's log-probability, the sample each belongs to, and 1 where it counts (0: no target)."""
+    valid = targets != IGNORE
+    causal_lm = causal_lm_of(model)
+    head = plain_head(causal_lm)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if head is None:  # sharded or adapted heads: the model's own logits
+        hidden, weight, dtype = model(**inputs).logits.flatten(0, 1), None, None
+    else:
+        name, module = head
+        with head_bypassed(causal_lm, name) as passthrough:
+            hidden = model(**inputs).logits.flatten(0, 1)
+        weight = module.weight
+        dtype = passthrough.autocast_dtype or (weight.dtype if weight.dtype == hidden.dtype else hidden.dtype)
+    if hidden.device.type == "cpu":  # no work for prompt positions (no device to keep in flight)
+        rows = valid.nonzero().squeeze(1)
+        hidden, targets, index, keep = hidden.index_select(0, rows), targets.index_select(0, rows), \
+            index.index_select(0, rows), None
+    else:  # accelerators: every position, no host sync for the count
+        targets, keep = targets.clamp(min=0), valid
+    width = weight.shape[0] if weight is not None else hidden.shape[-1]
+    chunk = max(64, CHUNK_ELEMENTS // width)
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start:start + chunk], targets[start:start + chunk]
+        if weight is None:
+            pieces.append(_logps_from_logits(h, t))
+        elif torch.is_grad_enabled():
+            pieces.append(checkpoint(_logps_from_hidden, h, weight, t, dtype, use_reentrant=False))
+        else:
+            pieces.append(_logps_from_hidden(h, weight, t, dtype))
+    token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    if keep is None:
+        return token_logps, index, torch.ones_like(token_logps)
+    return token_logps * keep, index, keep.float()
+
+
+def _logps_from_hidden(hidden, weight, targets, dtype):
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _logps_from_logits(hidden.to(dtype) @ weight.to(dtype).t(), targets)
+
+
+def _logps_from_logits(logits, targets):
+    logits = logits.float()
+    return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
