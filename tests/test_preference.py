@@ -102,6 +102,17 @@ BAD_ROWS = [
      "no prompt"),
     ({"messages": turns("q", "a"), "chosen": "b", "rejected": "c"}, "prompt ends with an assistant message"),
     ({"prompt": "q", "chosen": 3, "rejected": "b"}, "field 'chosen' must be a string or a list of messages, got int"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a "}, "are the same answer"),
+    ({"prompt": " ", "chosen": "a", "rejected": "b"}, "the prompt's user turn is empty"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}], "chosen": "a",
+      "rejected": "b"}, "the prompt ends with a system message"),
+    ({"chosen": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}]},
+     "the prompt ends with a system message"),
+    ({"prompt": "another question", "chosen": turns("q", "a"), "rejected": turns("q", "b")},
+     "field 'prompt' differs from the user turn"),
+    ({"messages": [{"role": "user", "content": "q"}], "chosen": turns("q", "a"), "rejected": turns("q", "b")},
+     "give the prompt once"),
 ]
 
 
@@ -109,9 +120,28 @@ BAD_ROWS = [
 def test_a_bad_preference_row_is_named_with_its_line(row, message, tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "pairs.jsonl"
-    path.write_text(json.dumps(PAIR) + "\n" + json.dumps(row) + "\n")
+    path.write_text("\n" + json.dumps(row) + "\n")
     with pytest.raises(DataError, match=f"{path}:2: .*{message}"):
         prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
+def test_a_file_that_mixes_layouts_names_the_row_and_keeps_every_value(tmp_path, tiny_tokenizer, monkeypatch):
+    """The data set reader re-reads a column of mixed JSON types value by value ("1." came back as 1.0, blamed
+    on a good row): such a column is named with both rows instead."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pairs.jsonl"
+    good = {"prompt": "What is 0 plus 1?", "chosen": "1.", "rejected": "2."}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(LAYOUTS["whole conversations"]) + "\n")
+    with pytest.raises(DataError, match=f"{path}:2: field 'chosen' is a list here but a string at {path}:1"):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
+def test_only_the_final_answer_of_a_multi_turn_prompt_is_compared(tiny_tokenizer):
+    row = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                      {"role": "user", "content": PAIR["prompt"]}], "chosen": PAIR["chosen"], "rejected": PAIR["rejected"]}
+    out = tokenize_row(row, tiny_tokenizer, cfg(), "x:1")
+    learned = tiny_tokenizer.decode([t for t, label in zip(out["input_ids"], out["labels"]) if label != IGNORE])
+    assert learned == "2 plus 3 is 5.<|im_end|>\n2 plus 3 is 6.<|im_end|>\n"  # not the earlier "Hello."
 
 
 def test_packing_keeps_pairs_whole_and_in_order(tmp_path, tiny_tokenizer, monkeypatch):
@@ -140,10 +170,11 @@ def test_packing_keeps_pairs_whole_and_in_order(tmp_path, tiny_tokenizer, monkey
 def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
     long = {**PAIR, "prompt": "word " * 200}
+    same_once_cut = {**PAIR, "chosen": "x " * 100 + "A", "rejected": "x " * 100 + "B"}  # they differ past the cut
     path = tmp_path / "pairs.jsonl"
-    path.write_text(json.dumps(PAIR) + "\n" + json.dumps(long) + "\n")
+    path.write_text("\n".join(json.dumps(r) for r in (PAIR, long, same_once_cut)) + "\n")
     data = prepare_data(cfg(train=str(path), max_seq_len=64), tiny_tokenizer)
-    assert data.stats["train_empty"] == 1 and data.stats["train_truncated"] == 1 and len(data.train) == 1
+    assert data.stats["train_empty"] == 2 and data.stats["train_truncated"] == 2 and len(data.train) == 1
 
 
 # -- the recipe ---------------------------------------------------------------------------------------------------

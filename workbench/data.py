@@ -90,6 +90,11 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                 if local.suffix.lower() == ".csv":
                     _check_utf8(local)
                 raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+        untyped = any(type(feature).__name__ == "Json" for feature in dataset.features.values())
+        if untyped and local.suffix.lower() == ".jsonl":
+            # a column of several JSON types comes back re-read value by value ("1." as 1.0): name the row that
+            # changes the type, and the first row (a column of empty objects is untyped too, and harmless)
+            _check_field_types(local, where)
         if lines is not None and len(dataset) != lines:  # never train on fewer rows than the file holds
             raise DataError(f"{path}: the JSON reader returned {len(dataset)} rows for {lines} non-blank lines; "
                             "check the file for rows it cannot represent")
@@ -296,7 +301,8 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
         return tokenize_segments(fmt.segments(row, tokenizer, cfg.system_prompt, where), tokenizer, cfg)
     chosen, rejected = (tokenize_segments(s, tokenizer, cfg) for s in fmt.pair(row, tokenizer, cfg.system_prompt,
                                                                                where))
-    both = chosen["targets"] > 0 and rejected["targets"] > 0  # a pair that lost an answer teaches nothing
+    # a pair that lost an answer, or whose answers truncation made the same, teaches nothing: left out, counted
+    both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
     return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
             "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
             "truncated": chosen["truncated"] or rejected["truncated"],

@@ -61,8 +61,10 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
 
     model, tokenizer = load_for_inference(run.path)
     if format_of(cfg.format).preference:
-        beta = run.recipe.get("training", {}).get("dpo_beta", 0.1)
+        training = run.recipe.get("training", {})
+        beta = training.get("dpo_beta", 0.1) if training.get("objective") == "dpo" else 0.1
         result = evaluate_preferences(model, tokenizer, rows, cfg, run.path, beta, limit, batch_size)
+        result["beta_source"] = "training.dpo_beta" if training.get("objective") == "dpo" else "default"
         result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
         if save:
             RunDir(run.path).update_json(evaluation=result)
@@ -240,13 +242,15 @@ def evaluate_preferences(model, tokenizer, rows, cfg: DataSection, run_path, bet
     """Held-out pairs, the tuned model beside its base: how often each gives the chosen answer the higher
     log-probability (preference_accuracy) and by how much on average (logp_margin); for the tuned model also
     DPO's implicit rewards against the base (reward_accuracy, reward_margin, with the run's dpo_beta)."""
-    pairs = []
+    pairs, without_targets = [], 0
     for i, row in enumerate(rows.dataset):
         if limit is not None and i >= limit:
             break
         example = tokenize_row(row, tokenizer, cfg, rows.where(i))
         if example["targets"]:
             pairs.append(example)
+        else:  # an answer lost to data.max_seq_len, or two answers truncation made the same
+            without_targets += 1
     if not pairs:
         raise DataError(f"{rows.source}: no pair to evaluate (every one lost an answer to data.max_seq_len)")
     device = str(next(model.parameters()).device)
@@ -259,7 +263,8 @@ def evaluate_preferences(model, tokenizer, rows, cfg: DataSection, run_path, bet
         base_model, _ = load_for_inference(run_path, base=True)
         base = pair_logps(base_model, tokenizer, pairs, batch_size)
     rewards = beta * ((tuned[0] - base[0]) - (tuned[1] - base[1]))
-    return {"format": cfg.format, "rows": len(pairs), "limit": limit, "beta": beta,
+    return {"format": cfg.format, "rows": len(pairs), "rows_without_targets": without_targets, "limit": limit,
+            "beta": beta,
             "device": device,
             "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "tuned": {**_preference_scores(*tuned), "reward_accuracy": round(float((rewards > 0).float().mean()), 4),
@@ -301,7 +306,7 @@ def format_evaluation(result: dict) -> str:
         keys = ("eval_loss", "perplexity", "exact_match", "contains")
     else:  # preference pairs
         lines = [f"evaluated {result['rows']} pairs of {result['data']} ({result['format']}), on {result['device']}; "
-                 f"rewards against the base with beta {result['beta']}"]
+                 f"rewards against the base with beta {result['beta']} ({result.get('beta_source', 'default')})"]
         keys = ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin")
     lines.append(f"  {'':<20}" + "".join(f"{name:>12}" for name in models))
     for key in keys:

@@ -216,15 +216,17 @@ def preference_of(row: dict, where: str, system_prompt: str | None = None) -> Pr
     if isinstance(chosen, list):
         chosen_turns = messages_field(chosen, where, "chosen")
         rejected_turns = messages_field(rejected, where, "rejected")
-        prompt = _prompt_messages(row, where, required=False)
         if chosen_turns[-1]["role"] != "assistant" or rejected_turns[-1]["role"] != "assistant":
             raise DataError(f"{where}: 'chosen' and 'rejected' must end with the assistant's answer")
         shared_c, shared_r = chosen_turns[:-1], rejected_turns[:-1]
         if shared_c != shared_r:
             raise DataError(f"{where}: 'chosen' and 'rejected' differ before their last assistant message; "
                             "a pair answers the same conversation")
-        if shared_c:  # whole conversations: they carry the prompt themselves
+        if shared_c:  # whole conversations carry the prompt themselves; a prompt text beside them must agree
             prompt = shared_c
+            _same_prompt(row, prompt, where)
+        else:
+            prompt = _prompt_messages(row, where, required=False)
         if not prompt:
             raise DataError(f"{where}: no prompt: give a 'prompt' field or whole conversations in 'chosen'/'rejected'")
         pair = Preference(prompt, chosen_turns[-1]["content"], rejected_turns[-1]["content"])
@@ -232,12 +234,28 @@ def preference_of(row: dict, where: str, system_prompt: str | None = None) -> Pr
         prompt = _prompt_messages(row, where, required=True)
         pair = Preference(prompt, not_empty(chosen, f"{where}: field 'chosen'"),
                           not_empty(rejected, f"{where}: field 'rejected'"))
-    if pair.prompt[-1]["role"] == "assistant":
-        raise DataError(f"{where}: the prompt ends with an assistant message; it must end with the user's turn")
-    if pair.chosen == pair.rejected:
+    last = pair.prompt[-1]
+    if last["role"] != "user":
+        article = "an" if last["role"] == "assistant" else "a"
+        raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
+                        "user's turn")
+    if not last["content"].strip():
+        raise DataError(f"{where}: the prompt's user turn is empty (nothing to answer)")
+    if pair.chosen.strip() == pair.rejected.strip():
         raise DataError(f"{where}: 'chosen' and 'rejected' are the same answer (nothing to prefer)")
     pair.prompt = with_system(pair.prompt, system_prompt)
     return pair
+
+
+def _same_prompt(row: dict, prompt: list[dict], where: str) -> None:
+    """Beside whole conversations, 'messages' is a second prompt and 'prompt' may only repeat their user turn."""
+    if row.get("messages") is not None:
+        raise DataError(f"{where}: give the prompt once: 'chosen' and 'rejected' are whole conversations, "
+                        "so 'messages' must be left out")
+    text = row.get("prompt")
+    if text is not None and (not isinstance(text, str) or text.strip() != (last_user(prompt) or "").strip()):
+        raise DataError(f"{where}: field 'prompt' differs from the user turn of the 'chosen'/'rejected' "
+                        "conversations; give the prompt once")
 
 
 def _prompt_messages(row: dict, where: str, required: bool) -> list[dict]:
@@ -265,7 +283,10 @@ def _preference_pair(row, tokenizer, system_prompt, where) -> tuple[Segments, Se
     for answer in (pair.chosen, pair.rejected):
         messages = [*pair.prompt, {"role": "assistant", "content": answer}]
         if tokenizer.chat_template:
-            rendered.append(chat_segments(tokenizer, messages))
+            segments = chat_segments(tokenizer, messages)
+            # only the final answer is compared: earlier assistant turns belong to the shared prompt
+            final = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
+            rendered.append([(text, is_answer and i == final) for i, (text, is_answer) in enumerate(segments)])
         elif len(pair.prompt) == 1 and pair.prompt[0]["role"] == "user":  # a plain prompt and its continuation
             rendered.append([(pair.prompt[0]["content"], False), (answer, True)])
         else:
