@@ -4,8 +4,8 @@
     python bench/peers.py --job smollm2 --repeats 2         # SmolLM2-135M-Instruct (~12 minutes)
     python bench/peers.py --quick                           # a smoke run with a tiny model (~30 s)
     python bench/peers.py --job smollm2 --tools workbench,workbench-baseline,trl,plain   # + fast paths off
-    python bench/peers.py --objective dpo --job smollm2     # DPO: workbench vs TRL's DPOTrainer (~10 minutes)
-    python bench/peers.py --objective dpo --quick           # the DPO smoke run (~40 s)
+    python bench/peers.py --objective dpo --job smollm2     # DPO: workbench vs TRL's DPOTrainer (~8 minutes)
+    python bench/peers.py --objective dpo --quick           # the DPO smoke run (~30 s)
 
 Same model, data, LoRA configuration, tokens per optimizer step, maximum sequence length, one epoch,
 precision and threads for every tool: the precision the workbench's `auto` resolves to on this machine
@@ -37,15 +37,25 @@ both by one function (peers_tools.eval_dpo: one pair at a time, no padding, the 
 The plain loop is left out of the DPO job (it is an SFT loop; a DPO loop of one's own is the workbench's
 objectives.py over again).
 
-TRL's settings for the DPO job, its fastest documented ones on a CPU (measured, SmolLM2-135M, 2 threads):
-no gradient checkpointing (DPOConfig's default is on: measured slower); `precompute_ref_log_probs=False`
-(precomputing runs the same reference forwards before the loop, in batches padded the same way, so the
-total is no lower; measured; `--trl-precompute` runs it); random sampling (`train_sampling_strategy=
-"group_by_length"` cannot read lengths from DPO's tokenized columns and fails; `--trl-sampling`);
-`padding_free` is unavailable in TRL 1.16 (DPOConfig says it warns and falls back to padding, so it is
-not set). Its fused LM head (log-probabilities without full logits) is TRL's default. The workbench runs
-unpacked by default in the DPO job, `micro_batch_size` = the same pairs per step as TRL's batches, so the
-steps are the same step for step (`--wb-packed` packs pairs instead, the same pairs per step on average).
+TRL's settings for the DPO job, its fastest documented ones on a CPU (measured on SmolLM2-135M, 16 pairs,
+4 pairs per step, 2 threads, an idle machine; job s / loop s / peak MB):
+  - per_device_train_batch_size=1 with gradient_accumulation_steps=4: 61 / 60 / 3671 (chosen and rejected
+    of one pair padded together: almost no padding). Batches of 2 pairs: 76 / 74 / 6587; of 4 pairs (no
+    accumulation): 118 / 116 / 10737, padding to the batch's longest sequence is what costs. `--micro-batch`
+    sets the pairs per forward for both tools (default 1);
+  - gradient_checkpointing=False (DPOConfig's default is True): with it 81 / 80 / 2709, leaner but 1.3x slower
+    (`--trl-checkpointing` runs it);
+  - precompute_ref_log_probs=False: with it 64 / 43 / 3514, the loop is shorter but the same reference
+    forwards run before it, so the job is not faster (`--trl-precompute` runs it);
+  - padding_free: unavailable in TRL 1.16 (DPOConfig says it warns and falls back to padding), not set;
+  - train_sampling_strategy="group_by_length" fails on DPO's tokenized columns ("Can only automatically infer
+    lengths for datasets whose items are dictionaries with an 'input_ids' key"; and with one pair per forward
+    there is nothing to group), so random sampling;
+  - its fused LM head (log-probabilities in chunks, no full logits) is TRL's default, kept.
+The workbench runs the same layout by default: `micro_batch_size` 1 x `grad_accum` 4, a pair per row (chosen
+then rejected, positions restarting, per-sample attention), the same optimizer steps over the same pairs as
+TRL's (51 / 49 / 3151 in the measurement above; 4 pairs per forward: 82 / 80 / 7861). `--wb-packed` packs
+pairs into rows of 2 x max_seq_len instead (47 / 45 / 3903, 6 steps: the same pairs per step only on average).
 """
 
 from __future__ import annotations
@@ -81,9 +91,10 @@ DPO_JOBS = {
     "builtin-512": dict(model="builtin-512", train_rows=192, eval_rows=32, max_seq_len=512, batch=8, packs=2,
                         lr=5e-4, beta=0.1),
     "smollm2": dict(model="builtin:smollm2-135m", train_rows=64, eval_rows=16, max_seq_len=512, batch=4, packs=1,
-                    lr=5e-5, beta=0.1),
+                    lr=2e-4, beta=0.1),
+    # (not run yet) on a GPU, several pairs per forward: padding is cheap there, small kernels are not
     "gpu-1b": dict(model="bench:llama3-1b", train_rows=512, eval_rows=16, max_seq_len=1024, batch=16, packs=4,
-                   lr=5e-5, beta=0.1),
+                   lr=5e-5, beta=0.1, micro_batch=4),
     "quick": dict(model="builtin-quick", train_rows=32, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3,
                   beta=0.1),
 }
@@ -173,7 +184,7 @@ def run_child(spec: dict, tool: str, work: Path, index: int) -> dict:
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps({**spec, "tool": tool, "out": str(out)}))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(spec["threads"])}
-    spawned, used = time.time(), _children_cpu_s()
+    spawned, used, busy = time.time(), _children_cpu_s(), machine_busy_s()
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     result_path = out / "result.json"
@@ -183,7 +194,34 @@ def run_child(spec: dict, tool: str, work: Path, index: int) -> dict:
     result = json.loads(result_path.read_text())
     result["process_s"] = round(result.pop("ended_at") - spawned, 2)
     result["cpu_s"] = round(_children_cpu_s() - used, 2)  # the whole process, shared evaluation included
+    if busy is not None:  # what other processes took from the machine meanwhile: > a few % and the times are off
+        result["others_cpu_s"] = round(max(0.0, machine_busy_s() - busy - result["cpu_s"]), 1)
     return result
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all processes of the machine have used (Linux /proc/stat), None where there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:8]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(limit_s: float, window_s: float = 10.0) -> str:
+    """Wait (at most limit_s) until the machine's CPUs were at least 90% idle over window_s: on a shared machine,
+    other jobs oversubscribing the cores make every tool several times slower, unevenly."""
+    started = time.time()
+    while True:
+        before = machine_busy_s()
+        if before is None:
+            return "n/a"
+        time.sleep(window_s)
+        share = (machine_busy_s() - before) / (window_s * os.cpu_count())
+        waited = time.time() - started
+        if share <= 0.1 or waited >= limit_s:
+            return f"{100 * share:.0f}% busy after waiting {waited:.0f} s"
 
 
 def _children_cpu_s() -> float:
@@ -231,7 +269,8 @@ def summarise(runs: list[dict], peaks: dict) -> dict:
         dpo["train_loss"] = med("train_loss")
     return {**dpo, "tool": runs[0]["tool"], "settings": runs[0]["settings"], "repeats": len(runs),
             "process_s": best("process_s"), "job_s": best("job_s"), "loop_s": loop_s, "cpu_s": best("cpu_s"),
-            "job_s_all": [r["job_s"] for r in runs], "tokens": runs[0]["tokens"], "steps": runs[0]["steps"],
+            "job_s_all": [r["job_s"] for r in runs], "others_cpu_s_all": [r.get("others_cpu_s") for r in runs],
+            "tokens": runs[0]["tokens"], "steps": runs[0]["steps"],
             "tokens_per_s": runs[0]["tokens"] / loop_s, "peak_rss_mb": med("peak_rss_mb"),
             "eval_loss": med("eval_loss"), "flops": flops, "startup_s": runs[0].get("startup_s"),
             "finish_s": runs[0].get("finish_s"),
@@ -263,9 +302,16 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
           "peak = process peak RSS when the job ended on a CPU, max_memory_allocated on a GPU)")
     for r in rows:
         if "error" not in r:
-            print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")
+            print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}{others(r)}")
     print_outside(rows)
     print_ratios(rows)
+
+
+def others(row: dict) -> str:
+    """The CPU seconds other processes took while this tool ran: where they are more than a few percent of the
+    tool's own, the machine was shared and its times are too high."""
+    taken = [x for x in row.get("others_cpu_s_all", []) if x is not None]
+    return f"; other processes' CPU s meanwhile {taken}" if taken else ""
 
 
 def print_outside(rows: list[dict]) -> None:
@@ -309,7 +355,7 @@ def print_dpo_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str])
           "held-out pairs, one shared function; MFU counts the reference forward where it runs in the loop)")
     for r in rows:
         if "error" not in r:
-            print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}")
+            print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}{others(r)}")
     print_outside(rows)
     print_ratios(rows, dpo=True)
 
@@ -368,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="DPO: the workbench packs pairs (--packs per step) instead of --batch pairs per step")
     parser.add_argument("--wb", action="append", default=[], metavar="KEY=VALUE",
                         help="extra workbench training.* setting, e.g. --wb gradient_checkpointing=true")
+    parser.add_argument("--wait-quiet", dest="wait_quiet", type=float, default=0, metavar="S",
+                        help="before each run wait up to S seconds for the machine to be idle (shared machines)")
     parser.add_argument("--out", help="also write the per-run and summary rows to this JSON file")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier --out file again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -390,8 +438,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = {tool: [] for tool in tools}
         for repeat in range(args.repeats):
             for tool in tools:  # interleaved: A B C A B C
-                print(f"repeat {repeat + 1}/{args.repeats}: {tool} ... (load {load_average()})", file=sys.stderr,
-                      flush=True)
+                quiet = f", machine {wait_for_quiet(args.wait_quiet)}" if args.wait_quiet else ""
+                print(f"repeat {repeat + 1}/{args.repeats}: {tool} ... (load {load_average()}{quiet})",
+                      file=sys.stderr, flush=True)
                 runs[tool].append(run_child(spec, tool, work, repeat))
         loads.append(load_average())
     rows = []

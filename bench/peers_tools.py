@@ -393,7 +393,8 @@ def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, s
     from workbench.metrics import FlopCounter
 
     tokenizer = load_tokenizer(spec)
-    figures = eval_dpo(model, reference_pairs(spec, read_rows(spec["eval"]), tokenizer), spec)
+    held_out = [p for p in reference_pairs(spec, read_rows(spec["eval"]), tokenizer) if p["targets"]]  # scorable
+    figures = eval_dpo(model, held_out, spec)
     counter = FlopCounter(model, model.config)
     flops = counter.step_flops(sum(lengths), sum(n * (n + 1) // 2 for n in lengths),
                                reference_forward=reference_in_loop)
