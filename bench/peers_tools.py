@@ -169,19 +169,25 @@ def workbench_recipe(spec: dict):
     })
 
 
-def run_workbench(spec: dict) -> dict:
+def train_workbench(spec: dict):
+    """The workbench's run of the job: (the recipe it ran, its TrainResult, the job's clock)."""
     import workbench as wb
+
+    started = time.perf_counter()
+    recipe = workbench_recipe(spec)
+    if spec["tool"] == "workbench-baseline":  # the loop on the libraries' own paths: what the fast paths are worth
+        recipe = recipe.override("training.fast_paths=false")
+    result = wb.train(recipe, overwrite=True, progress_bar=False)
+    return recipe, result, stop_clock(started, spec)
+
+
+def run_workbench(spec: dict) -> dict:
     from peft import PeftModel
 
     if spec.get("objective") == "dpo":
         return run_workbench_dpo(spec)
     baseline = spec["tool"] == "workbench-baseline"
-    started = time.perf_counter()
-    recipe = workbench_recipe(spec)
-    if baseline:  # the loop on the libraries' own paths, to show what the fast paths are worth
-        recipe = recipe.override("training.fast_paths=false")
-    result = wb.train(recipe, overwrite=True, progress_bar=False)
-    clock = stop_clock(started, spec)
+    _, result, clock = train_workbench(spec)
     summary = result.summary
     model = PeftModel.from_pretrained(load_model(spec), str(result.run_dir / "adapter"))
     tokenizer = load_tokenizer(spec)
@@ -404,16 +410,10 @@ def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, s
 
 
 def run_workbench_dpo(spec: dict) -> dict:
-    import workbench as wb
     from peft import PeftModel
 
     baseline = spec["tool"] == "workbench-baseline"
-    started = time.perf_counter()
-    recipe = workbench_recipe(spec)
-    if baseline:  # the loop on the libraries' own paths, to show what the fast paths are worth
-        recipe = recipe.override("training.fast_paths=false")
-    result = wb.train(recipe, overwrite=True, progress_bar=False)
-    clock = stop_clock(started, spec)
+    recipe, result, clock = train_workbench(spec)
     summary = result.summary
     rows = read_rows(str(Path(result.run_dir) / "metrics.jsonl"))
     step_losses = [r["loss"] for r in rows if "loss" in r and "eval_loss" not in r]

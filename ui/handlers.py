@@ -37,10 +37,7 @@ TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
     "reward_accuracy_final": "reward accuracy (final, %)", "eval_reward_margin_final": "eval reward margin (final)",
     "eval_reward_accuracy_final": "eval reward accuracy (final, %)",
 }
-# Preference runs (training.objective dpo/orpo): their last reward margin and accuracy, on the training batches
-# (the last metrics row) and on the held-out data (run.json's summary). Blank for SFT runs.
-PREFERENCE_COLUMNS = ["reward_margin_final", "reward_accuracy_final", "eval_reward_margin_final",
-                      "eval_reward_accuracy_final"]
+# preference runs' accuracies, shown as percentages (the CSV keeps the fractions run.json holds)
 ACCURACY_COLUMNS = ("reward_accuracy_final", "eval_reward_accuracy_final")
 
 
@@ -274,8 +271,7 @@ class Handlers:
         """workbench.runs' compare rows, each with the run's objective and (preference runs) reward figures."""
         runs = [load_run(self.ws.run_dir(n)) for n in names or []]
         # a run still training has no final figures in run.json yet: its last logged ones stand in
-        rows = [{**row, **{k: v for k, v in preference_cells(run).items()
-                           if k != "objective" and _finite(row.get(k)) is None}}
+        rows = [{**row, **{k: v for k, v in logged_preference_figures(run).items() if _finite(row.get(k)) is None}}
                 for run, row in zip(runs, compare_rows(runs))]
         return rows, {r.name: r.metrics for r in runs}
 
@@ -368,18 +364,13 @@ def _last(rows: list[dict], key: str) -> float | None:
     return None
 
 
-def preference_cells(run) -> dict:
-    """A run's objective and, for a preference run, its final reward margin and accuracy (train: the last
-    logged row; eval: run.json's summary, else the last evaluation row). None for an SFT run."""
-    summary = run.summary if isinstance(run.summary, dict) else {}
-    objective = objective_of(summary, run.recipe)
-    cells = {"objective": objective, **dict.fromkeys(PREFERENCE_COLUMNS)}
-    if objective == "sft" and not charts.is_preference(run.metrics):
-        return cells
-    for key in ("reward_margin", "reward_accuracy", "eval_reward_margin", "eval_reward_accuracy"):
-        from_summary = _finite(summary.get(f"{key}_final"))
-        cells[f"{key}_final"] = from_summary if from_summary is not None else _last(run.metrics, key)
-    return cells
+def logged_preference_figures(run) -> dict:
+    """A preference run's last logged reward margin and accuracy (train and eval), for the compare columns that
+    run.json's summary does not hold yet (a run still training) or holds in an unreadable form. {} for SFT."""
+    if objective_of(run.summary, run.recipe) == "sft" and not charts.is_preference(run.metrics):
+        return {}
+    return {f"{key}_final": _last(run.metrics, key)
+            for key in ("reward_margin", "reward_accuracy", "eval_reward_margin", "eval_reward_accuracy")}
 
 
 def _preference_facts(rows: list[dict]) -> list[str]:

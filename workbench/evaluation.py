@@ -183,9 +183,8 @@ def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: 
     loss_sum, targets = 0.0, 0
     for start in range(0, len(samples), batch_size):
         chunk = samples[start:start + batch_size]
-        batch = collate([{"input_ids": e.input_ids, "labels": e.labels,
-                          "position_ids": list(range(len(e.input_ids)))} for e in chunk])
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = _on(device, collate([{"input_ids": e.input_ids, "labels": e.labels,
+                                      "position_ids": list(range(len(e.input_ids)))} for e in chunk]))
         loss_sum += float(lm_loss_sum(model, batch))
         targets += int((batch["labels"] != IGNORE).sum())
     return loss_sum, targets
@@ -281,12 +280,16 @@ def pair_logps(model, tokenizer, pairs: list[dict], batch_size: int) -> tuple[to
     device = next(model.parameters()).device
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        batch = collate(pairs[start:start + batch_size])
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = _on(device, collate(pairs[start:start + batch_size]))
         logps, _ = sample_logps(model, batch)
         chosen.append(logps[0::2].cpu())
         rejected.append(logps[1::2].cpu())
     return torch.cat(chosen), torch.cat(rejected)
+
+
+def _on(device, batch: dict) -> dict:
+    """A collated batch with its tensors on the device (the collator's counts are Python ints)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _preference_scores(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:

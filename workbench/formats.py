@@ -122,6 +122,7 @@ class DataFormat:
     needs_chat_template: bool = False
     preference: bool = False  # rows hold a prompt and two answers (chosen, rejected)
     # instruction formats: segments(row, tokenizer, system_prompt, where) and reference(row, system_prompt, where)
+    # (evaluation's question and expected answer; preference pairs are scored by their log-probabilities instead)
     segments: Callable | None = None
     reference: Callable | None = None
     # the preference format: pair(row, tokenizer, system_prompt, where) -> (chosen segments, rejected segments)
@@ -295,11 +296,6 @@ def _preference_pair(row, tokenizer, system_prompt, where) -> tuple[Segments, Se
     return rendered[0], rendered[1]
 
 
-def _preference_reference(row, system_prompt, where):
-    pair = preference_of(row, where, system_prompt)
-    return last_user(pair.prompt), pair.chosen
-
-
 def last_user(messages: list[dict]) -> str | None:
     users = [m["content"] for m in messages if m["role"] == "user"]
     return users[-1] if users else None
@@ -329,7 +325,7 @@ FORMATS: dict[str, DataFormat] = {f.name: f for f in (
         "preference", ("chosen", "rejected"), ("prompt", "messages"),
         "a prompt (text or messages) and two answers, chosen and rejected (for training.objective dpo or orpo)",
         {"prompt": "What is 2 plus 3?", "chosen": "5.", "rejected": "6."},
-        check=_preference_check, preference=True, pair=_preference_pair, reference=_preference_reference),
+        check=_preference_check, preference=True, pair=_preference_pair),
 )}
 FORMAT_NAMES = tuple(FORMATS)
 
