@@ -23,9 +23,17 @@ def path() -> Path:
     return built_once(VERSION, _build)
 
 
-def _build(folder: Path) -> None:
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+def shapes_only(folder: Path) -> Path:
+    """The model's config and tokenizer without weights: what the estimator reads (the tests' planning input)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = _config(_tokenizer(folder))
+    config.dtype = "bfloat16"  # as _build stores the weights
+    config.save_pretrained(folder)
+    return folder
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
 
     from workbench.builtin import resolve_builtin
 
@@ -33,13 +41,26 @@ def _build(folder: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tiny / name).exists():
             shutil.copy(tiny / name, folder / name)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = LlamaConfig(
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _config(tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _build(folder: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    tokenizer = _tokenizer(folder)
+    config = _config(tokenizer)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device="cpu")

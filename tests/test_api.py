@@ -13,7 +13,7 @@ from workbench.runs import COMPARE_COLUMNS
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = {"DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
           "compare", "estimate", "evaluate", "generate", "launch", "list_runs", "load_run", "merge", "plot_compare",
-          "train"}
+          "push", "train"}
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,58 @@ def test_the_example_notebook_runs_end_to_end(tmp_path):
     # no library noise anywhere: warnings and log lines would show up as stderr
     noise = [o.text for out in outputs.values() for o in out if o.output_type == "stream" and o.name == "stderr"]
     assert not noise, noise
+
+
+def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
+    """wb.train, merge, generate and evaluate quiet the libraries and set torch's threads for their own work
+    only: warning filters, log levels, progress bars, environment variables, thread count and logger filters
+    are the same after each call (and after one that raises) as before it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import json, logging, os, sys, warnings
+        import datasets, torch, transformers
+        import workbench as wb
+
+        def state():
+            return {"filters": [repr(f) for f in warnings.filters], "env": dict(os.environ),
+                    "threads": torch.get_num_threads(),
+                    "transformers": [transformers.utils.logging.get_verbosity(),
+                                     transformers.utils.logging.is_progress_bar_enabled()],
+                    "datasets": [datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()],
+                    "loggers": [len(logging.getLogger(n).filters) for n in ("bitsandbytes.backends.cpu.ops",
+                                                                            "DeepSpeed")]}
+
+        torch.set_num_threads(2)
+        out = sys.argv[1]
+        recipe = wb.Recipe.load("recipes/tiny.yaml").override(
+            f"output.dir={out}/{{name}}", "training.max_steps=2", "training.threads=1", "output.save_every=null",
+            "output.eval_every=null", "output.sample_prompts=[]")
+        changed = {}
+        calls = {
+            "train": lambda: wb.train(recipe, progress_bar=False),
+            "merge": lambda: wb.merge(recipe.run_dir, f"{out}/merged"),
+            "generate": lambda: wb.generate(recipe.run_dir, "Hello", max_new_tokens=2),
+            "evaluate": lambda: wb.evaluate(recipe.run_dir, max_new_tokens=2),
+            "train (raises)": lambda: wb.train(recipe.override("data.train=no/such.jsonl", "name=bad")),
+        }
+        for name, call in calls.items():
+            before = state()
+            try:
+                call()
+            except wb.WorkbenchError:
+                assert name.endswith("(raises)"), name
+            after = state()
+            changed[name] = sorted(k for k in before if after[k] != before[k])
+        print(json.dumps(changed))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("GRADIO_ANALYTICS_ENABLED", "HF_HUB_DISABLE_TELEMETRY")}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    changed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(changed) == {"train", "merge", "generate", "evaluate", "train (raises)"}
+    assert all(not keys for keys in changed.values()), changed

@@ -37,6 +37,6 @@ def test_gpu_check_dry_run_goes_through_every_part(tmp_path):
     assert all(0.5 < r["estimate_ratio"] < 2 and r["tokens_per_s"] > 0 for r in measured.values())
     flash = next(r for r in report["rows"] if r["name"] == "lora, flash-attn varlen")
     assert "flash_attention_2 runs on CUDA GPUs only" in flash["skipped"]  # the workbench's own refusal
-    assert set(report["peers"]["rows"]) == {"workbench", "trl", "plain"}
+    assert set(report["peers"]["rows"]) == {"workbench", "trl"}  # the goal compares these two
     assert len(report["goals"]) == 3 and all(g["met"] is None for g in report["goals"])  # GPU goals, not judged here
     assert "| goal | measured | met |" in (tmp_path / "gpu_check.md").read_text()

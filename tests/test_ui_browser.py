@@ -226,6 +226,22 @@ def test_a_preference_run_shows_its_reward_plot_and_compare_columns(browser, ser
     page.close()
 
 
+def test_the_data_preview_shows_trained_tokens_lengths_and_truncation(browser, served, shots):
+    url, root = served
+    page = _open(browser, url)
+    page.click("#data-preview .label-wrap")  # the closed accordion
+    page.click("#preview-data-btn")
+    page.wait_for_selector("#preview-rows mark.wb-trained")
+    page.wait_for_selector("#preview-plot img")
+    status = page.inner_text("#preview-status")
+    assert "200 rows (chat)" in status and "packing:" in status, status
+    trained = page.inner_text("#preview-rows mark.wb-trained >> nth=0")
+    masked = page.inner_text("#preview-rows .wb-masked >> nth=0")
+    assert "<|im_start|>user" in masked and "<|im_start|>" not in trained  # the prompt is masked, the answer not
+    _shot(page, shots / "10-configure-data-preview.png")
+    page.close()
+
+
 def _status(url: str) -> int:
     import urllib.error
     import urllib.request

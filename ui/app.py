@@ -132,6 +132,21 @@ def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blo
                         yaml_code = gr.Code(first_yaml, language="yaml",
                                             label="Recipe YAML (editable, in step with the form)",
                                             lines=30, max_lines=40, interactive=True, elem_id="recipe-yaml")
+                with gr.Accordion("Data preview", open=False, elem_id="data-preview"):
+                    with gr.Row():
+                        gr.Markdown("The training data as the model will see it: the chat template applied, "
+                                    "**trained tokens highlighted**, the rest masked; token lengths, truncation and "
+                                    "packing.", elem_classes="wb-hint")
+                        preview_rows = gr.Number(3, label="rows to show", precision=0, minimum=0,
+                                                 maximum=Handlers.PREVIEW_MAX_ROWS, scale=0, min_width=120)
+                        preview_btn = gr.Button("Preview data", scale=0, min_width=140, elem_id="preview-data-btn",
+                                                elem_classes="wb-inline-btn")
+                    preview_status = gr.HTML('<div class="wb-status wb-info">Press Preview data.</div>',
+                                             elem_id="preview-status")
+                    with gr.Row():
+                        preview_rows_html = gr.HTML(elem_id="preview-rows")
+                        preview_plot = FigurePlot(label="token lengths", format="png", show_label=False,
+                                                  elem_id="preview-plot")
                 fields = [widgets[s.key] for s in form.FIELDS]
                 marked = [*(accordions[s] for s in SECTIONS[1:]), *(problems[s] for s in SECTIONS)]
 
@@ -163,6 +178,8 @@ def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blo
                 load_btn.click(on_load, recipe_dd, [yaml_code, *fields, status, *marked])
                 save_btn.click(lambda p, t: (h.save_recipe(p, t), gr.update(choices=h.ws.recipe_choices())),
                                [save_path, yaml_code], [status, recipe_dd])
+                preview_btn.click(h.preview_data, [yaml_code, preview_rows],
+                                  [preview_status, preview_rows_html, preview_plot])
 
             # -- Estimate -----------------------------------------------------------------------
             with gr.Tab("Estimate", id="estimate", elem_id="tab-estimate"):

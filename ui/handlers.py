@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from workbench import charts
-from workbench.errors import WorkbenchError
+from workbench.errors import RecipeError, WorkbenchError
 from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
@@ -136,6 +136,27 @@ class Handlers:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return status_html("ok", f"saved {where}")
+
+    PREVIEW_MAX_ROWS = 20  # a field of the page: a huge number would render the whole file into the browser
+
+    def preview_data(self, text: str, rows: float | None, previewer=None):
+        """(status html, rows html, histogram) of the training data as the model will see it
+        (workbench.preview): the recipe's files must lie inside the workspace."""
+        try:
+            count = int(rows if rows is not None else 3)
+            if not 0 <= count <= self.PREVIEW_MAX_ROWS:
+                raise RecipeError(f"rows to show: between 0 and {self.PREVIEW_MAX_ROWS}, got {rows}")
+            recipe = form.recipe_from_yaml(text)
+            self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            if previewer is None:
+                from workbench.preview import preview_data as previewer
+            preview = previewer(recipe, rows=count)
+        except (WorkbenchError, ValueError, TypeError) as err:
+            return status_html("error", str(err)), "", charts.empty("no preview: see the message above")
+        stats = preview.stats
+        kind = "warn" if stats["lost_answer"] or stats["truncated"] else "ok"
+        return status_html(kind, "\n".join(preview.summary_lines())), preview.to_html(summary=False), \
+            preview.histogram()
 
     # -- Estimate -------------------------------------------------------------------------------
 

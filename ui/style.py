@@ -38,6 +38,12 @@ CSS = """
 .wb-table { max-width: 100%; overflow-x: auto !important; }  /* a narrow window scrolls the table, not the page */
 @media (max-width: 640px) { .wb-header { flex-direction: column; align-items: flex-start; }
   .wb-header .wb-root { max-width: 100%; } }
+.wb-sample { margin: 8px 0; }
+.wb-sample-title { font-size: 0.82rem; color: #475569; font-weight: 600; }
+.wb-sample-text { white-space: pre-wrap; word-break: break-word; font-size: 0.82rem; padding: 8px;
+  border-radius: 8px; background: #f8fafc; border: 1px solid #e2e8f0; max-height: 320px; overflow-y: auto; }
+.wb-trained { background: #bbf7d0; color: #064e3b; border-radius: 3px; }
+.wb-masked { color: #94a3b8; }
 footer { display: none !important; }
 """
 

@@ -24,6 +24,8 @@ _API = {
     "compare": "api", "launch": "api", "plot_compare": "api",
     "evaluate": "evaluation", "generate": "export", "merge": "export",
     "Estimate": "memory", "estimate": "memory",
+    "push": "hub",
+    "preview_data": "preview",
     "Recipe": "recipe",
     "Run": "runs", "TrainResult": "runs", "list_runs": "runs", "load_run": "runs",
     "train": "train",

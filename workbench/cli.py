@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--price-per-gpu-hour", type=float, default=None, help="for a cost estimate")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    data = recipe_command("data", "the training data as the model will see it: rows with the trained tokens marked, "
+                                  "token lengths, truncation and packing", _data)
+    data.add_argument("--rows", type=int, default=3, help="how many rows to show (default 3)")
+    data.add_argument("--json", action="store_true", help="print JSON instead of text")
+    data.add_argument("--histogram", metavar="PNG", default=None, help="also save the token-length histogram")
+
     ev = sub.add_parser("evaluate", aliases=["eval"], help="score a run's tuned model (and its base) on held-out data")
     ev.add_argument("run", help="run directory")
     ev.add_argument("--data", default=None, help="a data file (default: the recipe's eval data)")
@@ -134,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (or bfloat16, float16, float32)")
     mg.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME", help="upload the merged folder")
     mg.set_defaults(handler=_merge)
+
+    ps = sub.add_parser("push", help="upload a run's adapter (with its model card), or its merged model, to the "
+                                     "Hugging Face Hub")
+    ps.add_argument("run", help="run directory")
+    ps.add_argument("repo", metavar="OWNER/NAME", help="model repository (created when missing)")
+    ps.add_argument("--merged", action="store_true", help="push the merged model instead (merging first if needed)")
+    ps.add_argument("--private", action="store_true", help="create the repository private")
+    ps.set_defaults(handler=_push)
 
     ch = sub.add_parser("chat", help="chat in the terminal with a run's tuned model or any model", add_help=False)
     ch.add_argument("rest", nargs=argparse.REMAINDER)
@@ -263,6 +277,43 @@ def _estimate(args) -> int:
     return 0
 
 
+def _data(args) -> int:
+    import json
+
+    from .preview import preview_data
+
+    if args.recipe is None:
+        raise WorkbenchError("data needs a recipe file")
+    if args.rows < 0:
+        raise RecipeError(f"--rows: must be 0 or more, got {args.rows}")
+    preview = preview_data(_load_recipe(args), rows=args.rows)
+    if args.histogram:
+        preview.histogram().savefig(args.histogram)
+    if args.json:
+        print(json.dumps(preview.to_json(), indent=2))
+    else:
+        _print_preview(preview)
+    return 0
+
+
+def _print_preview(preview) -> None:
+    """Trained tokens in bold green, the rest dimmed, on a terminal; ⟦marked⟧ in a file or a pipe."""
+    if not sys.stdout.isatty():
+        print(preview.to_text())
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    for line in preview.summary_lines():
+        console.print(line, markup=False)
+    for where, samples in preview.rows:
+        for sample in samples:
+            console.rule(f"{where}{f' ({sample.label})' if sample.label else ''}: {sample.tokens} tokens, "
+                         f"{sample.targets} trained{', truncated' if sample.truncated else ''}", style="dim")
+            console.print(Text.assemble(*[(text, "bold green" if trained else "dim") for text, trained in sample.spans]))
+
+
 def _evaluate(args) -> int:
     import json
 
@@ -279,6 +330,14 @@ def _merge(args) -> int:
 
     out = merge(args.run, out=args.out, dtype=args.dtype, push_to_hub=args.push_to_hub)
     print(f"merged model: {out}" + (f" (pushed to {args.push_to_hub})" if args.push_to_hub else ""))
+    return 0
+
+
+def _push(args) -> int:
+    from .hub import push
+
+    url = push(args.run, args.repo, merged=args.merged, private=args.private)
+    print(f"pushed {args.run}{' (merged model)' if args.merged else ''} to {url}")
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 from .data import IGNORE, Collator, Rows, load_rows, tokenize_row
 from .errors import DataError, RecipeError, WorkbenchError
 from .formats import detect, format_of
+from .quiet import leaves_the_process_as_found
 from .export import load_for_inference, stop_token_ids
 from .recipe import DataSection
 from .runs import RunDir, load_run
@@ -41,6 +42,7 @@ class Example:
     reference: str | None
 
 
+@leaves_the_process_as_found
 def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = False, max_new_tokens: int = 64,
              limit: int | None = None, batch_size: int = 8, save: bool = True) -> dict:
     """Evaluate a run's tuned model (and its base beside it with base=True) on held-out rows.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from .errors import RecipeError, WorkbenchError
+from .hub import check_hub_access, hub_offline, push_folder  # noqa: F401  (their home was here)
+from .model_card import write_model_card_or_warn
+from .quiet import leaves_the_process_as_found
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -120,6 +122,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
+@leaves_the_process_as_found
 def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64) -> str:
     """Answer a prompt with a run's tuned model (or its base), or with any model path."""
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -131,6 +134,7 @@ def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens
 # -- merging ----------------------------------------------------------------------------------
 
 
+@leaves_the_process_as_found
 def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bfloat16",
           push_to_hub: str | None = None) -> Path:
     """Fold a run's adapter into its base model and save a plain transformers folder (safetensors,
@@ -179,6 +183,7 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
     tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
+    write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
@@ -194,65 +199,3 @@ def _check_out(out: Path, run_path: Path) -> None:
         raise WorkbenchError(f"--out: {out} would overwrite the run itself; choose another folder")
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "config.json").exists())):
         raise WorkbenchError(f"--out: {out} exists and is not a model folder; choose a new or empty folder")
-
-
-# -- the Hugging Face Hub ---------------------------------------------------------------------
-
-
-def hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    flag = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().upper()
-    return constants.HF_HUB_OFFLINE or flag in {"1", "ON", "YES", "TRUE"}
-
-
-def check_hub_access(repo: str) -> None:
-    """Raise a WorkbenchError unless the hub is reachable and a token is set that it accepts."""
-    from huggingface_hub import HfApi, get_token
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo)
-    except HFValidationError as err:
-        raise RecipeError(f"--push-to-hub: {repo!r} is not a repository id like owner/name ({err})") from None
-    if hub_offline():
-        raise WorkbenchError(f"--push-to-hub {repo}: the Hugging Face Hub is offline (HF_HUB_OFFLINE=1); "
-                             "merge without --push-to-hub now and push when online")
-    try:
-        if get_token() is None:
-            raise WorkbenchError(f"--push-to-hub {repo}: not logged in to the Hugging Face Hub "
-                                 "(run `hf auth login` or set HF_TOKEN)")
-        HfApi().whoami()
-    except WorkbenchError:
-        raise
-    except Exception as err:  # network and HTTP failures come in many types; all end the same way
-        raise WorkbenchError(f"--push-to-hub {repo}: {_hub_problem(err)}") from None
-
-
-def push_folder(folder: Path, repo: str) -> str:
-    """Upload a merged folder to a (new or existing) model repository; returns the repository URL."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    try:
-        url = api.create_repo(repo, repo_type="model", exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
-                          commit_message="Upload merged model (lora-workbench)")
-    except Exception as err:
-        raise WorkbenchError(f"--push-to-hub {repo}: {_hub_problem(err)}; the merged model is saved in {folder}") \
-            from None
-    return str(url)
-
-
-def _hub_problem(err: Exception) -> str:
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    if isinstance(err, OfflineModeIsEnabled):
-        return "the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)"
-    status = getattr(getattr(err, "response", None), "status_code", None)
-    if isinstance(err, HfHubHTTPError) and status in (401, 403):
-        return f"the hub refused the token (HTTP {status}): check `hf auth login` or HF_TOKEN"
-    if isinstance(err, HfHubHTTPError) and status is not None:
-        return f"the hub answered HTTP {status}: {first}"
-    return f"cannot reach the Hugging Face Hub (no network?): {first}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 
 _HARMLESS = (
     "Failed to load CPU gemm_4bit_forward",  # bitsandbytes: an optional hub kernel (never installed here)
@@ -38,10 +40,14 @@ def import_quietly(module: str):
         return importlib.import_module(module)
 
 
+_QUIETED_LOGGERS = ("bitsandbytes.backends.cpu.ops", "DeepSpeed")
+
+
 def quiet_libraries() -> None:
+    """For the command line's process (and, inside `process_as_found`, for one API call)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("bitsandbytes.backends.cpu.ops", "DeepSpeed"):
+    for name in _QUIETED_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropHarmless) for f in logger.filters):  # called once per command
             logger.addFilter(_DropHarmless())
@@ -55,3 +61,70 @@ def quiet_libraries() -> None:
         transformers.utils.logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+@contextmanager
+def process_as_found():
+    """What an API call changes in the process (warning filters, the libraries' log levels and progress bars,
+    environment variables, torch's thread count, logger filters) is put back when it returns or raises: a
+    notebook's process is left as the call found it. The command line sets them for its process instead."""
+    import torch
+
+    environment = dict(os.environ)
+    threads = torch.get_num_threads()
+    logger_filters = {name: list(logging.getLogger(name).filters) for name in _QUIETED_LOGGERS}
+    libraries = _library_settings()
+    with warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            for name in set(os.environ) - set(environment):
+                del os.environ[name]
+            os.environ.update({k: v for k, v in environment.items() if os.environ.get(k) != v})
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            for name, filters in logger_filters.items():
+                logging.getLogger(name).filters[:] = filters
+            _restore_library_settings(libraries)
+
+
+def leaves_the_process_as_found(function):
+    """Decorates a public API function with `process_as_found`."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with process_as_found():
+            return function(*args, **kwargs)
+    return call
+
+
+def _library_settings() -> dict:
+    settings = {}
+    try:
+        import transformers
+
+        settings["transformers"] = (transformers.utils.logging.get_verbosity(),
+                                    transformers.utils.logging.is_progress_bar_enabled())
+    except ImportError:
+        pass
+    try:
+        import datasets
+
+        settings["datasets"] = (datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled())
+    except (ImportError, AttributeError):
+        pass
+    return settings
+
+
+def _restore_library_settings(settings: dict) -> None:
+    if "transformers" in settings:
+        import transformers
+
+        verbosity, bars = settings["transformers"]
+        transformers.utils.logging.set_verbosity(verbosity)
+        (transformers.utils.logging.enable_progress_bar if bars else transformers.utils.logging.disable_progress_bar)()
+    if "datasets" in settings:
+        import datasets
+
+        verbosity, bars = settings["datasets"]
+        datasets.logging.set_verbosity(verbosity)
+        (datasets.enable_progress_bars if bars else datasets.disable_progress_bars)()

@@ -33,10 +33,11 @@ from .memory import prediction_for_run
 from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
 from . import checkpoints, objectives
 from .compat import check_runtime
+from .model_card import refresh_model_cards, write_model_card_or_warn
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
 from .precision import compute_dtype_of, local_kind, resolve_recipe
 from .preflight import check_disk_space, preflight
-from .quiet import quiet_libraries
+from .quiet import leaves_the_process_as_found, quiet_libraries
 from .recipe import Recipe
 from .resume import check_resume
 from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder
@@ -67,6 +68,7 @@ class Progress:
         self.__dict__.update(state)
 
 
+@leaves_the_process_as_found
 def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
           progress_bar: bool | str = True) -> TrainResult:
     """Train the recipe in this process (one of N when launched with `accelerate launch`).
@@ -419,6 +421,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         summary["samples"] = samples
     if accelerator.is_main_process:
         run.update_json(summary=summary)
+        refresh_model_cards(run.path)  # the card saved with the adapter predates these final figures
     return summary
 
 
@@ -524,6 +527,7 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> 
         shutil.rmtree(staging, ignore_errors=True)
         unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        write_model_card_or_warn(staging, run.path, "adapter" if recipe.adapter.method != "full" else "merged")
         replace_folder(staging, target)
     accelerator.wait_for_everyone()
 
