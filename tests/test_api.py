@@ -12,8 +12,8 @@ from workbench.runs import COMPARE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = {"DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
-          "compare", "estimate", "evaluate", "generate", "launch", "list_runs", "load_run", "merge", "plot_compare",
-          "push", "train"}
+          "compare", "estimate", "evaluate", "export", "generate", "launch", "list_runs", "load_run", "merge",
+          "plot_compare", "preview_data", "push", "train"}
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +176,9 @@ def test_the_example_notebook_runs_end_to_end(tmp_path):
 
 
 def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
-    """wb.train, merge, generate and evaluate quiet the libraries and set torch's threads for their own work
-    only: warning filters, log levels, progress bars, environment variables, thread count and logger filters
-    are the same after each call (and after one that raises) as before it."""
+    """wb.train, merge, generate, evaluate and preview_data quiet the libraries and set torch's threads for their
+    own work only: warning filters, log levels, progress bars, environment variables, thread count and logger
+    filters are the same after each call (after one that raises, and after two overlapping in threads) as before."""
     import json
     import os
     import subprocess
@@ -198,6 +198,14 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
                     "loggers": [len(logging.getLogger(n).filters) for n in ("bitsandbytes.backends.cpu.ops",
                                                                             "DeepSpeed")]}
 
+        def both(call):
+            import threading
+            threads = [threading.Thread(target=call) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
         torch.set_num_threads(2)
         out = sys.argv[1]
         recipe = wb.Recipe.load("recipes/tiny.yaml").override(
@@ -210,6 +218,7 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
             "generate": lambda: wb.generate(recipe.run_dir, "Hello", max_new_tokens=2),
             "evaluate": lambda: wb.evaluate(recipe.run_dir, max_new_tokens=2),
             "train (raises)": lambda: wb.train(recipe.override("data.train=no/such.jsonl", "name=bad")),
+            "preview_data, two threads at once": lambda: both(lambda: wb.preview_data(recipe, rows=1)),
         }
         for name, call in calls.items():
             before = state()
@@ -226,5 +235,6 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     changed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(changed) == {"train", "merge", "generate", "evaluate", "train (raises)"}
+    assert set(changed) == {"train", "merge", "generate", "evaluate", "train (raises)",
+                            "preview_data, two threads at once"}
     assert all(not keys for keys in changed.values()), changed

@@ -327,8 +327,7 @@ def published_cases(tmp: Path) -> list[tuple]:
     mlp = "[q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
     tt_lora = big("meta-llama/Llama-3.1-8B", "adapter.r=8", "adapter.dropout=0.0", f"adapter.target_modules={mlp}",
                   "training.gradient_checkpointing=true")
-    tt_qlora = big("meta-llama/Llama-3.1-8B", "adapter.method=qlora", "adapter.r=8", "adapter.dropout=0.0",
-                   "adapter.target_modules=all-linear", "training.gradient_checkpointing=true")
+    tt_qlora = tt_lora.override("adapter.method=qlora")  # the same adapter (8B_qlora_single_device.yaml)
     tt_lora_no_ckpt = tt_lora.override("training.gradient_checkpointing=false")
     return [
         ("QLoRA paper: Guanaco 65B on one GPU", "r=64 all-linear, 4 x 528 tokens, checkpointing", qlora_paper,
@@ -338,7 +337,7 @@ def published_cases(tmp: Path) -> list[tuple]:
         ("PEFT docs: FSDP+QLoRA Llama-2-70B, 2 GPUs, no offload", "same", peft_fsdp, 2, "fsdp", 35.6 * GB),
         ("torchtune: Llama 3.1 8B LoRA, 1x 4090", "r=8 q,v,o+MLP, 2 x 2048, checkpointing", tt_lora,
          1, "single", 16.2 * GiB),
-        ("torchtune: Llama 3.1 8B QLoRA, 1x 4090", "r=8 q,k,v,o+MLP, 2 x 2048, checkpointing", tt_qlora,
+        ("torchtune: Llama 3.1 8B QLoRA, 1x 4090", "r=8 q,v,o+MLP, 2 x 2048, checkpointing", tt_qlora,
          1, "single", 7.4 * GiB),
         ("torchtune: Llama 3.1 8B LoRA, 1x A6000", "as the 4090 row; checkpointing assumed off", tt_lora_no_ckpt,
          1, "single", 30.3 * GiB),

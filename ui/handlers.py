@@ -7,8 +7,11 @@ wires them to Gradio components. Errors a user can act on come back as a status 
 from __future__ import annotations
 
 import html
+import json
 import math
+import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -18,8 +21,8 @@ from workbench.errors import RecipeError, WorkbenchError
 from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
-from .jobs import objective_of, registry_for
-from .workspace import Workspace
+from .jobs import objective_of, registry_for, workbench_command
+from .workspace import UI_DIR, Workspace
 
 GIB = 2**30
 SECTIONS = ["general", *[n for n in form.Recipe.model_fields if n != "name"]]
@@ -138,25 +141,47 @@ class Handlers:
         return status_html("ok", f"saved {where}")
 
     PREVIEW_MAX_ROWS = 20  # a field of the page: a huge number would render the whole file into the browser
+    PREVIEW_TIMEOUT_S = 300.0
 
-    def preview_data(self, text: str, rows: float | None, previewer=None):
-        """(status html, rows html, histogram) of the training data as the model will see it
-        (workbench.preview): the recipe's files must lie inside the workspace."""
+    def preview_data(self, text: str, rows, runner=None):
+        """(status html, rows html, histogram) of the training data as the model will see it: `workbench data`
+        run like a job (the workspace its working folder, a process of its own, a time limit), after the
+        recipe's files are checked to lie inside the workspace."""
+        from workbench.preview import DataPreview
+
         try:
-            count = int(rows if rows is not None else 3)
-            if not 0 <= count <= self.PREVIEW_MAX_ROWS:
-                raise RecipeError(f"rows to show: between 0 and {self.PREVIEW_MAX_ROWS}, got {rows}")
+            count = _rows_to_show(rows, self.PREVIEW_MAX_ROWS)
             recipe = form.recipe_from_yaml(text)
             self.ws.check_recipe_paths(recipe, self.allow_remote_code)
-            if previewer is None:
-                from workbench.preview import preview_data as previewer
-            preview = previewer(recipe, rows=count)
-        except (WorkbenchError, ValueError, TypeError) as err:
+            printed = (runner or self._run_preview)(recipe.to_yaml(), count)
+            preview = DataPreview.from_json(json.loads(printed))
+        except (WorkbenchError, ValueError) as err:
             return status_html("error", str(err)), "", charts.empty("no preview: see the message above")
         stats = preview.stats
         kind = "warn" if stats["lost_answer"] or stats["truncated"] else "ok"
         return status_html(kind, "\n".join(preview.summary_lines())), preview.to_html(summary=False), \
             preview.histogram()
+
+    def _run_preview(self, recipe_yaml: str, rows: int) -> str:
+        """`workbench data RECIPE --json` on a copy of the recipe under the UI's folder; its output."""
+        folder = self.ws.root / UI_DIR / "previews"
+        folder.mkdir(parents=True, exist_ok=True)
+        recipe_file = folder / f"{uuid.uuid4().hex}.yaml"
+        recipe_file.write_text(recipe_yaml)
+        argv, env = workbench_command(["data", self.ws.relative(recipe_file), "--rows", str(rows), "--json"])
+        try:
+            done = subprocess.run(argv, cwd=self.ws.root, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=self.PREVIEW_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise WorkbenchError(f"the data preview took more than {self.PREVIEW_TIMEOUT_S:.0f} s and was stopped "
+                                 "(is a data file a pipe, or very large?)") from None
+        finally:
+            recipe_file.unlink(missing_ok=True)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+            raise WorkbenchError((errors[-1].removeprefix("error: ") if errors else
+                                  (done.stderr.strip().splitlines() or ["the data preview failed"])[-1]))
+        return done.stdout
 
     # -- Estimate -------------------------------------------------------------------------------
 
@@ -346,6 +371,17 @@ class Handlers:
         if not tuned.strip():
             return base, tuned, status_html("warn", f"{name}'s tuned model answered with nothing (it stopped at once)")
         return base, tuned, status_html("ok", f"answered with {name}'s base model and its adapter")
+
+
+def _rows_to_show(value, most: int) -> int:
+    """The Data preview's "rows to show" field: a whole number from 0 to `most`."""
+    try:
+        number = float(value if value is not None else 3)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number.is_integer() and 0 <= number <= most) or isinstance(value, bool):
+        raise RecipeError(f"rows to show: a whole number from 0 to {most}, got {value!r}")
+    return int(number)
 
 
 def _run_line(run_path: Path) -> str:

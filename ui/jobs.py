@@ -141,12 +141,7 @@ class JobRegistry:
         folder = self._folder(name)
         log_path = _own_file(folder, "train.log")
         log_rel = self.ws.relative(log_path)  # checked before anything is written or started
-        # -P: the working directory (the workspace) is not put on the import path
-        argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "workbench", *command]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False", PYTHONSAFEPATH="1")
-        env.pop("WORKBENCH_UI_AUTH", None)  # the server's login is none of a job's business
-        package_root = str(Path(workbench.__file__).resolve().parents[1])  # the same workbench as this server
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        argv, env = workbench_command(command)
         with open(log_path, "w" if fresh_log else "a") as log:
             log.write(f"$ workbench {' '.join(command)}\n")
             log.flush()
@@ -273,6 +268,17 @@ class JobRegistry:
         if proc is not None and proc.pid == job.pid:
             return proc.poll() is None  # our own child: poll() also reaps it
         return _pid_runs_job(job)  # started by an earlier server process
+
+
+def workbench_command(command: list[str]) -> tuple[list[str], dict]:
+    """(argv, environment) of `workbench COMMAND` run by the server, in the workspace as its working folder."""
+    # -P: the working directory (the workspace) is not put on the import path
+    argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "workbench", *command]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False", PYTHONSAFEPATH="1")
+    env.pop("WORKBENCH_UI_AUTH", None)  # the server's login is none of a job's business
+    package_root = str(Path(workbench.__file__).resolve().parents[1])  # the same workbench as this server
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return argv, env
 
 
 def _command(recipe: str, nproc: int, mode: str | None) -> list[str]:

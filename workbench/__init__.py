@@ -24,6 +24,7 @@ _API = {
     "compare": "api", "launch": "api", "plot_compare": "api",
     "evaluate": "evaluation", "generate": "export", "merge": "export",
     "Estimate": "memory", "estimate": "memory",
+    "export": "gguf_export",
     "push": "hub",
     "preview_data": "preview",
     "Recipe": "recipe",
@@ -52,8 +53,9 @@ def __dir__() -> list[str]:
 
 class _Package(_types.ModuleType):
     def __setattr__(self, name: str, value) -> None:
-        # Importing the submodule workbench/train.py binds it on the package; `wb.train` stays the function.
-        if name in _API and isinstance(value, _types.ModuleType) and name == _API[name]:
+        # Importing the submodule workbench/train.py (or export.py) binds it on the package; `wb.train` (and
+        # `wb.export`, defined in gguf_export.py) stay the functions.
+        if name in _API and isinstance(value, _types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME", help="upload the merged folder")
     mg.set_defaults(handler=_merge)
 
+    ex = sub.add_parser("export", help="a run's tuned model (or a model folder) as one GGUF file for llama.cpp, "
+                                       "Ollama and LM Studio, with an Ollama Modelfile beside it")
+    ex.add_argument("source", help="run directory, model folder or builtin:NAME")
+    ex.add_argument("--format", default="gguf", help="gguf (the only format so far)")
+    ex.add_argument("--quant", default="f16", help="f16, f32 or q8_0")
+    ex.add_argument("--out", default=None, help="the .gguf file (default: RUN/gguf/RUN_NAME-QUANT.gguf for a run, "
+                                                "./gguf/NAME-QUANT.gguf for a model)")
+    ex.set_defaults(handler=_export)
+
     ps = sub.add_parser("push", help="upload a run's adapter (with its model card), or its merged model, to the "
                                      "Hugging Face Hub")
     ps.add_argument("run", help="run directory")
@@ -286,14 +295,29 @@ def _data(args) -> int:
         raise WorkbenchError("data needs a recipe file")
     if args.rows < 0:
         raise RecipeError(f"--rows: must be 0 or more, got {args.rows}")
+    histogram = _histogram_path(args.histogram)
     preview = preview_data(_load_recipe(args), rows=args.rows)
-    if args.histogram:
-        preview.histogram().savefig(args.histogram)
     if args.json:
         print(json.dumps(preview.to_json(), indent=2))
     else:
         _print_preview(preview)
+    if histogram is not None:
+        try:
+            preview.histogram().savefig(histogram)
+        except OSError as err:
+            raise WorkbenchError(f"--histogram {histogram}: cannot write ({err.strerror or err})") from None
+        print(f"histogram: {histogram}", file=sys.stderr)
     return 0
+
+
+def _histogram_path(text: str | None) -> Path | None:
+    """--histogram: an image file matplotlib can write, named before any work."""
+    if text is None:
+        return None
+    path = Path(text)
+    if not text.strip() or path.is_dir() or path.suffix.lower() not in (".png", ".svg", ".pdf", ".jpg", ".jpeg"):
+        raise RecipeError(f"--histogram: a .png, .svg, .pdf or .jpg file to write, got {text!r}")
+    return path
 
 
 def _print_preview(preview) -> None:
@@ -304,14 +328,16 @@ def _print_preview(preview) -> None:
     from rich.console import Console
     from rich.text import Text
 
+    from .preview import printable
+
     console = Console(highlight=False)
     for line in preview.summary_lines():
-        console.print(line, markup=False)
+        console.print(Text(printable(line)))
     for where, samples in preview.rows:
         for sample in samples:
-            console.rule(f"{where}{f' ({sample.label})' if sample.label else ''}: {sample.tokens} tokens, "
-                         f"{sample.targets} trained{', truncated' if sample.truncated else ''}", style="dim")
-            console.print(Text.assemble(*[(text, "bold green" if trained else "dim") for text, trained in sample.spans]))
+            console.rule(Text(printable(sample.title(where))), style="dim")
+            console.print(Text.assemble(*[(printable(text), "bold green" if trained else "dim")
+                                          for text, trained in sample.spans]))
 
 
 def _evaluate(args) -> int:
@@ -330,6 +356,14 @@ def _merge(args) -> int:
 
     out = merge(args.run, out=args.out, dtype=args.dtype, push_to_hub=args.push_to_hub)
     print(f"merged model: {out}" + (f" (pushed to {args.push_to_hub})" if args.push_to_hub else ""))
+    return 0
+
+
+def _export(args) -> int:
+    from .gguf_export import export
+
+    out = export(args.source, format=args.format, quant=args.quant, out=args.out)
+    print(f"exported: {out}\nOllama: ollama create NAME -f {out.with_name('Modelfile')}")
     return 0
 
 

@@ -15,6 +15,7 @@ import os
 import math
 import random
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +57,8 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
             raise DataError(f"{path}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
         if local.is_dir():
             raise DataError(f"{path}: is a folder; give a {', '.join(LOCAL_FORMATS)} file")
+        if not local.is_file():  # a FIFO or a device would block the reader, or never end
+            raise DataError(f"{path}: not a regular file; give a {', '.join(LOCAL_FORMATS)} file")
         lines = None
         try:
             if local.suffix.lower() == ".jsonl":
@@ -239,7 +242,7 @@ def _snapshot(path: Path) -> tuple[str, Path]:
     data that is tokenized is the data whose hash keys the cache, whatever happens to the file meanwhile."""
     digest = hashlib.sha256()
     folder = cache_dir() / "sources"
-    staging = folder / f".{os.getpid()}.{path.name}.tmp"
+    staging = folder / f".{os.getpid()}.{threading.get_ident()}.{path.name}.tmp"  # concurrent readers: one each
     try:
         folder.mkdir(parents=True, exist_ok=True)
         staging.open("wb").close()
@@ -298,15 +301,31 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
     whose positions restart at 0 (so each attends only to itself, as packed samples do)."""
     fmt = format_of(cfg.format)
     if not fmt.preference:
-        return tokenize_segments(fmt.segments(row, tokenizer, cfg.system_prompt, where), tokenizer, cfg)
-    chosen, rejected = (tokenize_segments(s, tokenizer, cfg) for s in fmt.pair(row, tokenizer, cfg.system_prompt,
-                                                                               where))
+        return tokenize_segments(_rendered(fmt.segments, row, tokenizer, cfg, where), tokenizer, cfg)
+    chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
     # a pair that lost an answer, or whose answers truncation made the same, teaches nothing: left out, counted
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
     return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
             "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
             "truncated": chosen["truncated"] or rejected["truncated"],
             "targets": chosen["targets"] + rejected["targets"] if both else 0}
+
+
+def tokenize_pair(row: dict, tokenizer, cfg: DataSection, where: str) -> tuple[dict, dict]:
+    """A preference row's chosen and rejected samples, each tokenized (and truncated) on its own."""
+    pair = _rendered(format_of(cfg.format).pair, row, tokenizer, cfg, where)
+    return tokenize_segments(pair[0], tokenizer, cfg), tokenize_segments(pair[1], tokenizer, cfg)
+
+
+def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
+    """A format's rendering of a row; a chat template that refuses the row (jinja's raise_exception, e.g.
+    roles that do not alternate) is named with the row's file:line."""
+    from jinja2 import TemplateError
+
+    try:
+        return render(row, tokenizer, cfg.system_prompt, where)
+    except TemplateError as err:
+        raise DataError(f"{where}: the tokenizer's chat template refuses this row: {_first_line(err)}") from None
 
 
 # -- the prepared data set --------------------------------------------------------------------
@@ -346,15 +365,34 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
         new_fingerprint=key[:32],
         desc=f"tokenizing {rows.source}",
     )
-    staging = folder.with_name(folder.name + ".tmp")
+    # a staging folder of this writer's own: two processes (or UI threads) tokenizing the same data at once
+    # each write theirs, the first rename wins, and the other's copy (the same bytes) is dropped
+    staging = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     tokenized.save_to_disk(str(staging))
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
+    if folder.exists() and not (folder / "dataset_info.json").exists():
+        shutil.rmtree(folder, ignore_errors=True)  # left half-written by an interrupted older version
+    try:
+        staging.rename(folder)
+    except OSError:
+        if not (folder / "dataset_info.json").exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
     return datasets.load_from_disk(str(folder)), False
 
 
-def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
+@dataclass
+class TokenizedData:
+    """The rows read and tokenized, split as training splits them; samples that lost their answer still in."""
+
+    train_rows: Rows
+    train: Any
+    eval_rows: Rows | None
+    eval: Any | None
+    cached: bool
+
+
+def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0) -> TokenizedData:
     def check(row, where):
         check_row(row, cfg.format, where)
 
@@ -371,19 +409,31 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
                             "rows to train on; lower it or give data.eval a file")
         parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
         train_tok, eval_tok = parts["train"], parts["test"]
+    return TokenizedData(train_rows, train_tok, eval_rows, eval_tok, cached)
 
-    stats = {"cached": cached, **_summarise(train_tok, "train"), "train_sha256": train_rows.fingerprint}
-    if len(train_tok) and stats["train_empty"] == len(train_tok):
+
+def check_trainable(train_tok, cfg: DataSection) -> None:
+    """Refuse data of which truncation leaves nothing to learn."""
+    empty = sum(1 for t in train_tok["targets"] if t == 0)
+    if len(train_tok) and empty == len(train_tok):
         raise DataError(f"{cfg.train}: every sample loses its whole answer to truncation at data.max_seq_len="
                         f"{cfg.max_seq_len}; raise data.max_seq_len or shorten the prompts")
-    if eval_rows is not None:
-        stats["eval_sha256"] = eval_rows.fingerprint
-    train_tok = _drop_empty(train_tok)
-    if eval_tok is not None:
-        stats.update(_summarise(eval_tok, "eval"))
-        eval_tok = _drop_empty(eval_tok)
     if len(train_tok) == 0:
         raise DataError(f"{cfg.train}: no training sample has a target token left after truncation")
+
+
+def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
+    tokenized = tokenize_data(cfg, tokenizer, seed)
+    train_tok, eval_tok = tokenized.train, tokenized.eval
+    stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
+             "train_sha256": tokenized.train_rows.fingerprint}
+    check_trainable(train_tok, cfg)
+    if tokenized.eval_rows is not None:
+        stats["eval_sha256"] = tokenized.eval_rows.fingerprint
+    train_tok = drop_empty(train_tok)
+    if eval_tok is not None:
+        stats.update(_summarise(eval_tok, "eval"))
+        eval_tok = drop_empty(eval_tok)
     row_len = cfg.max_seq_len * format_of(cfg.format).sequences_per_example  # a pair is two sequences
     train = pack(train_tok, row_len) if cfg.packing else with_positions(train_tok)
     evaluation = None
@@ -404,7 +454,7 @@ def _summarise(dataset, role: str) -> dict:
     }
 
 
-def _drop_empty(dataset):
+def drop_empty(dataset):
     keep = [i for i, t in enumerate(dataset["targets"]) if t > 0]
     return dataset if len(keep) == len(dataset) else dataset.select(keep)
 

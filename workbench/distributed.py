@@ -18,6 +18,7 @@ import torch
 from .errors import RecipeError, WorkbenchError
 from .recipe import Recipe
 from .strategies import Layout, read_deepspeed_file
+from .trackers import tensorboard_dir
 
 # where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -45,11 +46,20 @@ def check_process_count() -> None:
         )
 
 
+def release_accelerator_state() -> None:
+    """After a run: Accelerate's process-wide state (precision, accumulation) goes, so the caller's own
+    Accelerator afterwards starts as it would have (the process group in PartialState stays open)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
 def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     """The Accelerator that runs `layout`, with collectives that give up after distributed.timeout_s."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
     # Accelerate keeps its state in process-wide singletons; a notebook that trains twice with
     # different precisions needs a fresh one (the process group in PartialState is kept).
@@ -57,7 +67,9 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     GradientState._reset_state()
     on_gpu = torch.cuda.is_available()
     common = dict(mixed_precision=recipe.training.mixed_precision, log_with=list(recipe.output.trackers) or None,
-                  project_dir=project_dir, step_scheduler_with_optimizer=False,
+                  project_config=ProjectConfiguration(project_dir=project_dir,
+                                                      logging_dir=str(tensorboard_dir(project_dir))),
+                  step_scheduler_with_optimizer=False,
                   dataloader_config=DataLoaderConfiguration(
                       non_blocking=host_transfer("cuda" if on_gpu else "cpu")["non_blocking"]))
     # The processes first wait for each other (and for rank 0's data preparation) up to startup_timeout_s;

@@ -11,7 +11,8 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import IGNORE, check_row, load_rows, pack, tokenize_row, tokenize_rows
+from .data import IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row
+from .errors import RecipeError
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
 from .recipe import Recipe
@@ -28,10 +29,16 @@ class Sample:
     tokens: int
     targets: int
     truncated: bool
+    left_out: bool = False  # training leaves the row out (no answer left, or a pair truncation made equal)
 
     def to_json(self) -> dict:
         return {"label": self.label, "spans": [[text, trained] for text, trained in self.spans],
-                "tokens": self.tokens, "targets": self.targets, "truncated": self.truncated}
+                "tokens": self.tokens, "targets": self.targets, "truncated": self.truncated,
+                "left_out": self.left_out}
+
+    def title(self, where: str) -> str:
+        return (f"{where}{f' ({self.label})' if self.label else ''}: {self.tokens} tokens, {self.targets} trained"
+                f"{', truncated' if self.truncated else ''}{' (left out of training)' if self.left_out else ''}")
 
 
 @dataclass
@@ -48,30 +55,43 @@ class DataPreview:
                 "stats": self.stats, "lengths": self.lengths,
                 "rows": [{"where": where, "samples": [s.to_json() for s in samples]} for where, samples in self.rows]}
 
+    @classmethod
+    def from_json(cls, data: dict) -> "DataPreview":
+        """The preview `workbench data --json` printed (the UI runs the command in its workspace)."""
+        rows = [(row["where"], [Sample(s["label"], [(text, bool(trained)) for text, trained in s["spans"]],
+                                       s["tokens"], s["targets"], s["truncated"], s.get("left_out", False))
+                                for s in row["samples"]]) for row in data["rows"]]
+        return cls(data["source"], data["format"], data["max_seq_len"], rows, data["lengths"], data["stats"])
+
     def summary_lines(self) -> list[str]:
         s = self.stats
         lines = [f"{self.source}: {s['rows']} rows ({self.format}), {s['tokens']:,} tokens, "
                  f"{s['target_tokens']:,} of them trained ({s['target_fraction']:.0%})",
                  f"tokens per sequence: median {s['median_length']}, max {s['max_length']} "
                  f"(max_seq_len {self.max_seq_len})",
-                 f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows that lost their "
-                 f"whole answer (left out of training): {s['lost_answer']}"]
+                 f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows left out of "
+                 f"training (truncation took their answer{' or made the pair equal' if s['sequences'] > s['rows'] else ''}"
+                 f"): {s['lost_answer']}"]
         if s.get("packed_rows") is not None:
             lines.append(f"packing: {s['examples']} examples into {s['packed_rows']} rows of {s['row_len']} tokens, "
                          f"{s['packing_efficiency']:.1%} of each row used")
         else:
-            lines.append(f"packing off: {s['examples']} rows padded to the longest of each batch")
+            lines.append(f"packing off: {s['examples']} examples, each padded to the longest of its batch")
+        if s.get("eval_rows") is not None:
+            lines.append(f"held out for evaluation ({s['eval_source']}): {s['eval_rows']} rows, {s['eval_tokens']:,} "
+                         "tokens")
         return lines
 
     def to_text(self, width: int = 100) -> str:
-        """Plain text: trained spans between ⟦ and ⟧ (the command line colours them instead)."""
-        out = [*self.summary_lines(), ""]
+        """Plain text: trained spans between ⟦ and ⟧ (the command line colours them instead), control
+        characters of the data shown, not sent to the terminal."""
+        out = [*map(printable, self.summary_lines()), ""]
         for where, samples in self.rows:
             for sample in samples:
-                title = f"── {where}{f' ({sample.label})' if sample.label else ''}: {sample.tokens} tokens, " \
-                        f"{sample.targets} trained{', truncated' if sample.truncated else ''} "
+                title = f"── {printable(sample.title(where))} "
                 out.append(title + "─" * max(0, width - len(title)))
-                out.append("".join(f"⟦{text}⟧" if trained else text for text, trained in sample.spans))
+                out.append("".join(f"⟦{printable(text)}⟧" if trained else printable(text)
+                                   for text, trained in sample.spans))
         return "\n".join(out)
 
     def to_html(self, summary: bool = True) -> str:
@@ -81,10 +101,8 @@ class DataPreview:
             parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in self.summary_lines()) + "</ul>")
         for where, samples in self.rows:
             for sample in samples:
-                label = f" ({html.escape(sample.label)})" if sample.label else ""
-                parts.append(f'<div class="wb-sample"><div class="wb-sample-title">{html.escape(where)}{label}: '
-                             f'{sample.tokens} tokens, {sample.targets} trained'
-                             f'{", truncated" if sample.truncated else ""}</div><pre class="wb-sample-text">')
+                parts.append(f'<div class="wb-sample"><div class="wb-sample-title">{html.escape(sample.title(where))}'
+                             '</div><pre class="wb-sample-text">')
                 parts += [f'<mark class="wb-trained">{html.escape(text)}</mark>' if trained
                           else f'<span class="wb-masked">{html.escape(text)}</span>' for text, trained in sample.spans]
                 parts.append("</pre></div>")
@@ -100,7 +118,8 @@ class DataPreview:
 
         fig = Figure(figsize=(6, 2.6), layout="constrained")
         ax = fig.add_subplot()
-        ax.hist(self.lengths, bins=min(HISTOGRAM_BINS, max(1, len(set(self.lengths)))), color="#4c72b0")
+        if self.lengths:
+            ax.hist(self.lengths, bins=min(HISTOGRAM_BINS, max(1, len(set(self.lengths)))), color="#4c72b0")
         ax.axvline(self.max_seq_len, color="#c44e52", linestyle="--", label=f"max_seq_len {self.max_seq_len}")
         ax.set_xlabel("tokens per sequence (after truncation)")
         ax.set_ylabel("sequences")
@@ -108,26 +127,44 @@ class DataPreview:
         return fig
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """Control characters of the data (escape sequences that would clear or retitle a terminal) as \\xNN."""
+    return text.translate(_CONTROL)
+
+
 @leaves_the_process_as_found
-def preview_data(recipe: Recipe | str | Path, rows: int = 3) -> DataPreview:
-    """The recipe's training data as the model will see it (see the module's docstring)."""
+def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPreview:
+    """The recipe's training data as the model will see it (see the module's docstring): the first `rows` rows
+    rendered, and the figures of every row training will read (data.limit and data.eval_split applied)."""
     from .models import load_tokenizer
     from .quiet import quiet_libraries
 
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise RecipeError(f"rows: a whole number of rows to show, 0 or more; got {rows!r}")
     quiet_libraries()
-    recipe = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
+    if isinstance(recipe, dict):
+        recipe = Recipe.from_dict(recipe)
+    elif not isinstance(recipe, Recipe):
+        recipe = Recipe.load(recipe)
     cfg = recipe.data
     fmt = format_of(cfg.format)
     tokenizer = load_tokenizer(recipe.model)
-    source = load_rows(cfg.train, cfg.split, lambda row, where: check_row(row, cfg.format, where))
+    data = tokenize_data(cfg, tokenizer, seed=recipe.training.seed)  # the split training makes
+    check_trainable(data.train, cfg)  # what training refuses, the preview refuses
+    source = data.train_rows
     shown = []
-    for i in range(min(max(rows, 0), len(source.dataset))):
+    for i in range(min(rows, len(source.dataset), cfg.limit if cfg.limit is not None else rows)):
         where = source.where(i)
-        example = tokenize_row(source.dataset[i], tokenizer, cfg, where)
-        shown.append((where, _samples(example, tokenizer, fmt.preference)))
-    tokenized, _ = tokenize_rows(source, tokenizer, cfg, cfg.limit)
-    lengths = _sequence_lengths(tokenized, fmt.preference)
-    return DataPreview(str(cfg.train), cfg.format, cfg.max_seq_len, shown, lengths, _stats(tokenized, lengths, cfg, fmt))
+        shown.append((where, _samples(source.dataset[i], tokenizer, cfg, fmt.preference, where)))
+    lengths = _sequence_lengths(data.train, fmt.preference)
+    stats = _stats(data.train, lengths, cfg, fmt)
+    if data.eval is not None:
+        stats.update(eval_source=str(cfg.eval) if cfg.eval else f"data.eval_split {cfg.eval_split}",
+                     eval_rows=len(data.eval), eval_tokens=sum(len(ids) for ids in data.eval["input_ids"]))
+    return DataPreview(str(cfg.train), cfg.format, cfg.max_seq_len, shown, lengths, stats)
 
 
 def _sequence_lengths(tokenized, preference: bool) -> list[int]:
@@ -142,25 +179,25 @@ def _sequence_lengths(tokenized, preference: bool) -> list[int]:
     return lengths
 
 
-def _samples(example: dict, tokenizer, preference: bool) -> list[Sample]:
-    ids, labels = example["input_ids"], example["labels"]
+def _samples(row: dict, tokenizer, cfg, preference: bool, where: str) -> list[Sample]:
     if not preference:
-        return [_sample("", ids, labels, tokenizer, example["truncated"])]
-    split = example["position_ids"].index(0, 1)  # the rejected answer's positions restart at 0
-    return [_sample("chosen", ids[:split], labels[:split], tokenizer, example["truncated"]),
-            _sample("rejected", ids[split:], labels[split:], tokenizer, example["truncated"])]
+        sample = tokenize_row(row, tokenizer, cfg, where)
+        return [_sample("", sample, tokenizer, left_out=sample["targets"] == 0)]
+    chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
+    left_out = not (chosen["targets"] and rejected["targets"]) or chosen["labels"] == rejected["labels"]
+    return [_sample("chosen", chosen, tokenizer, left_out), _sample("rejected", rejected, tokenizer, left_out)]
 
 
-def _sample(label: str, ids: list[int], labels: list[int], tokenizer, truncated: bool) -> Sample:
+def _sample(label: str, sample: dict, tokenizer, left_out: bool) -> Sample:
     """Consecutive tokens of the same kind decoded together (one token alone can be half a character)."""
+    ids, labels = sample["input_ids"], sample["labels"]
     spans: list[tuple[str, bool]] = []
     start = 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or (labels[end] != IGNORE) != (labels[start] != IGNORE):
             spans.append((tokenizer.decode(ids[start:end]), labels[start] != IGNORE))
             start = end
-    targets = sum(1 for label in labels[1:] if label != IGNORE)
-    return Sample(label, spans, len(ids), targets, truncated)
+    return Sample(label, spans, len(ids), sample["targets"], sample["truncated"], left_out)
 
 
 def _stats(tokenized, lengths: list[int], cfg, fmt) -> dict:
@@ -172,9 +209,9 @@ def _stats(tokenized, lengths: list[int], cfg, fmt) -> dict:
              "median_length": ordered[len(ordered) // 2] if ordered else 0, "max_length": ordered[-1] if ordered else 0,
              "truncated": sum(tokenized["truncated"]), "truncated_fraction": sum(tokenized["truncated"]) / max(count, 1),
              "lost_answer": sum(1 for t in targets if t == 0)}
-    kept = tokenized.select([i for i, t in enumerate(targets) if t > 0])
+    kept = drop_empty(tokenized)
     stats["examples"] = len(kept)
-    if cfg.packing and len(kept):
+    if cfg.packing:
         row_len = cfg.max_seq_len * fmt.sequences_per_example
         packed = pack(kept, row_len)
         used = sum(len(ids) for ids in kept["input_ids"])

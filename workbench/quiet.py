@@ -6,6 +6,7 @@ import functools
 import importlib
 import logging
 import os
+import threading
 import warnings
 from contextlib import contextmanager
 
@@ -63,29 +64,54 @@ def quiet_libraries() -> None:
         pass
 
 
+_calls = threading.Lock()
+_depth = 0  # API calls in progress in this process (a UI or a notebook may run several in threads)
+_found: dict | None = None
+
+
 @contextmanager
 def process_as_found():
     """What an API call changes in the process (warning filters, the libraries' log levels and progress bars,
     environment variables, torch's thread count, logger filters) is put back when it returns or raises: a
-    notebook's process is left as the call found it. The command line sets them for its process instead."""
+    notebook's process is left as the call found it. Calls that overlap (threads) share one snapshot, taken
+    when the first starts and put back when the last ends. The command line sets them for its process."""
+    global _depth, _found
+    with _calls:
+        if _depth == 0:
+            _found = _process_settings()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _calls:
+            _depth -= 1
+            if _depth == 0:
+                _restore_process_settings(_found)
+                _found = None
+
+
+def _process_settings() -> dict:
     import torch
 
-    environment = dict(os.environ)
-    threads = torch.get_num_threads()
-    logger_filters = {name: list(logging.getLogger(name).filters) for name in _QUIETED_LOGGERS}
-    libraries = _library_settings()
-    with warnings.catch_warnings():
-        try:
-            yield
-        finally:
-            for name in set(os.environ) - set(environment):
-                del os.environ[name]
-            os.environ.update({k: v for k, v in environment.items() if os.environ.get(k) != v})
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            for name, filters in logger_filters.items():
-                logging.getLogger(name).filters[:] = filters
-            _restore_library_settings(libraries)
+    return {"environment": dict(os.environ), "threads": torch.get_num_threads(),
+            "warnings": warnings.filters[:],
+            "loggers": {name: list(logging.getLogger(name).filters) for name in _QUIETED_LOGGERS},
+            "libraries": _library_settings()}
+
+
+def _restore_process_settings(found: dict) -> None:
+    import torch
+
+    for name in set(os.environ) - set(found["environment"]):
+        del os.environ[name]
+    os.environ.update({k: v for k, v in found["environment"].items() if os.environ.get(k) != v})
+    if torch.get_num_threads() != found["threads"]:
+        torch.set_num_threads(found["threads"])
+    warnings.filters[:] = found["warnings"]
+    getattr(warnings, "_filters_mutated", lambda: None)()  # the C module caches the filters' version
+    for name, filters in found["loggers"].items():
+        logging.getLogger(name).filters[:] = filters
+    _restore_library_settings(found["libraries"])
 
 
 def leaves_the_process_as_found(function):

@@ -228,7 +228,10 @@ class OutputSection(Section):
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk.")
     eval_every: int | None = Field(100, gt=0, description="evaluate every N steps (null: only first and last).")
     log_every: int = Field(10, gt=0, description="write a metrics row every N steps.")
-    trackers: list[Literal["tensorboard"]] = Field(default_factory=list, description="Accelerate trackers.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="also send the metrics, the recipe and the summary to these (files in "
+                                          "the run directory unless WANDB_DIR or MLFLOW_TRACKING_URI say otherwise; "
+                                          "see docs/trackers.md).")
     sample_prompts: list[str] = Field(
         default_factory=list, description="prompts answered before and after training, saved in run.json."
     )

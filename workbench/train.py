@@ -21,8 +21,8 @@ from .attention import dense_mask_warning, flex_problem_for_run
 from .attention import with_implementation as attention_for
 from .data import Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
-                          configure_threads, host_transfer, local_parameter_elements, patience, verify_launch,
-                          world_size_from_env)
+                          configure_threads, host_transfer, local_parameter_elements, patience,
+                          release_accelerator_state, verify_launch, world_size_from_env)
 from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
 from .fastpath import apply_fast_paths, compile_layers
@@ -44,6 +44,7 @@ from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folde
 from .stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from .strategies import Layout, nodes_from_env
 from .strategies import resolve as resolve_layout
+from .trackers import log_summary, prepare_trackers
 
 
 @dataclass
@@ -84,9 +85,9 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     elif not isinstance(recipe, Recipe):
         raise RecipeError(f"train: expects a Recipe, a mapping or a recipe file, got {type(recipe).__name__}")
     quiet_libraries()
-    heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     if resume and overwrite:
         raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
+    heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     run = RunDir(recipe.run_dir)
     threads, threads_why = configure_threads(recipe.training.threads)  # before the precision probe times matmuls
     changes = {}
@@ -164,6 +165,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
             tracker.finish()
         collective_timeout(recipe.distributed.startup_timeout_s)  # the limit the group was opened with
         run.release()
+        release_accelerator_state()
     if main:
         summary = run.read_json()["summary"]  # with what was recorded at the start
     return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
@@ -240,7 +242,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     elif main:
         metrics.truncate_after(0)
     if accelerator.trackers == [] and recipe.output.trackers:
-        accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()))
+        accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()),
+                                  init_kwargs=prepare_trackers(recipe.output.trackers, run.path))
 
     summary = {"status": "running", "world_size": accelerator.num_processes, "total_steps": total_steps,
                "params": total_params, "trainable_params": trainable_params, **data.stats}
@@ -421,6 +424,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         summary["samples"] = samples
     if accelerator.is_main_process:
         run.update_json(summary=summary)
+        log_summary(accelerator, run.read_json()["summary"], state.step)  # with what was recorded at the start
         refresh_model_cards(run.path)  # the card saved with the adapter predates these final figures
     return summary
 

@@ -1,0 +1,138 @@
+"""The Hugging Face Hub: check access, upload a folder, and `push` a run's adapter or merged model.
+
+Imports nothing heavy at module level: `workbench push` offline (or with a bad repository id) answers in
+about a second, before any model is loaded or merged.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+from .errors import RecipeError, WorkbenchError
+
+MERGE_FLAG = "--push-to-hub"  # how `workbench merge` names the repository in its messages
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().upper()
+    return constants.HF_HUB_OFFLINE or flag in {"1", "ON", "YES", "TRUE"}
+
+
+def check_repo_id(repo: str, flag: str = MERGE_FLAG) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        raise RecipeError(f"{flag}: {repo!r} is not a repository id like owner/name ({err})") from None
+
+
+def check_hub_access(repo: str, flag: str = MERGE_FLAG,
+                     offline_advice: str = "merge without --push-to-hub now and push when online") -> None:
+    """Raise a WorkbenchError unless the hub is reachable and a token is set that it accepts."""
+    from huggingface_hub import HfApi, get_token
+
+    check_repo_id(repo, flag)
+    if hub_offline():
+        raise WorkbenchError(f"{flag} {repo}: the Hugging Face Hub is offline (HF_HUB_OFFLINE=1); {offline_advice}")
+    try:
+        if get_token() is None:
+            raise WorkbenchError(f"{flag} {repo}: not logged in to the Hugging Face Hub "
+                                 "(run `hf auth login` or set HF_TOKEN)")
+        HfApi().whoami()
+    except WorkbenchError:
+        raise
+    except Exception as err:  # network and HTTP failures come in many types; all end the same way
+        raise WorkbenchError(f"{flag} {repo}: {hub_problem(err)}") from None
+
+
+def push_folder(folder: Path, repo: str, private: bool = False, flag: str = MERGE_FLAG,
+                what: str = "merged model", kept: bool = True) -> str:
+    """Upload a folder to a (new or existing) model repository; returns the repository URL.
+    `private` applies when the repository is created. `kept`: the folder outlives a failure (the message
+    says where it is)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        url = api.create_repo(repo, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
+                          commit_message=f"Upload {what} (lora-workbench)")
+    except Exception as err:
+        where = f"; the {what} is saved in {folder}" if kept else ""
+        raise WorkbenchError(f"{flag} {repo}: {hub_problem(err)}{where}") from None
+    return str(url)
+
+
+def hub_problem(err: Exception) -> str:
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if isinstance(err, OfflineModeIsEnabled):
+        return "the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)"
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, HfHubHTTPError) and status in (401, 403):
+        return f"the hub refused the token (HTTP {status}): check `hf auth login` or HF_TOKEN"
+    if isinstance(err, HfHubHTTPError) and status is not None:
+        return f"the hub answered HTTP {status}: {first}"
+    return f"cannot reach the Hugging Face Hub (no network?): {first}"
+
+
+# -- workbench push ---------------------------------------------------------------------------
+
+
+def push(run_dir: str | Path, repo: str, merged: bool = False, private: bool = False) -> str:
+    """Upload a run to a hub model repository (created if missing, private with private=True): its adapter
+    folder with a fresh model card, or with merged=True the merged model (an up-to-date RUN/merged folder,
+    else a merge made for the upload). Access is checked before anything is loaded or merged. Returns the
+    repository URL."""
+    check_hub_access(repo, flag="push", offline_advice="push again when online")
+    from .runs import load_run
+
+    run = load_run(run_dir)
+    whole_model = run.path / "model"  # full fine-tuning saved the whole model: nothing to merge
+    if whole_model.is_dir():
+        return _push_with_card(whole_model, run.path, repo, private, "merged", "model")
+    if not merged:
+        from .export import check_adapter
+
+        check_adapter(run.path, run.adapter_dir)
+        return _push_with_card(run.adapter_dir, run.path, repo, private, "adapter", "adapter")
+    existing = run.path / "merged"
+    if _merged_is_current(existing, run.adapter_dir):
+        return _push_with_card(existing, run.path, repo, private, "merged", "merged model")
+    return _merge_and_push(run.path, repo, private)
+
+
+def _merge_and_push(run_path: Path, repo: str, private: bool) -> str:
+    from .export import merge
+
+    # beside the run, not in /tmp: a merged model can be many gigabytes
+    with tempfile.TemporaryDirectory(prefix=".push-", dir=run_path) as scratch:
+        folder = merge(run_path, out=Path(scratch) / "merged")
+        return _push_with_card(folder, run_path, repo, private, "merged", "merged model", kept=False)
+
+
+def _push_with_card(folder: Path, run_path: Path, repo: str, private: bool, kind: str, what: str,
+                    kept: bool = True) -> str:
+    """Write the card again (the latest figures and evaluation, the repository in its snippet), then upload."""
+    from .model_card import write_model_card
+
+    try:
+        write_model_card(folder, run_path, kind, repo_id=repo)
+    except (OSError, WorkbenchError) as err:  # a read-only run directory: push what is there
+        warnings.warn(f"{folder / 'README.md'}: model card not updated ({err})", stacklevel=2)
+    return push_folder(folder, repo, private=private, flag="push", what=what, kept=kept)
+
+
+def _merged_is_current(folder: Path, adapter_dir: Path) -> bool:
+    """A merged folder made from the adapter as it is now (not from an earlier adapter of the same run)."""
+    try:
+        return (folder / "config.json").stat().st_mtime >= (adapter_dir / "adapter_model.safetensors").stat().st_mtime
+    except OSError:
+        return False
