@@ -12,7 +12,9 @@ q8_0's error is the rounding alone: the file's weights equal the merged weights 
 import copy
 import functools
 import importlib.util
+import os
 import shutil
+from pathlib import Path
 
 import gguf
 import pytest
@@ -316,6 +318,40 @@ def test_an_out_path_inside_the_run_that_exists_is_refused(tiny_run):
         with pytest.raises(WorkbenchError, match=r"^--out: .* already exists inside the run"):
             export(tiny_run, out=taken)
     assert {p: p.stat().st_mtime_ns for p in tiny_run.rglob("*")} == before
+
+
+def test_an_out_path_in_the_runs_saved_folders_or_empty_is_refused_and_a_tilde_is_home(tiny_run, tmp_path,
+                                                                                        monkeypatch):
+    for inside in ("adapter/x.gguf", "checkpoints/x.gguf", "merged/x.gguf"):
+        with pytest.raises(WorkbenchError, match=r"^--out: .* is inside the run's adapter/model/merged/checkpoints"):
+            export(tiny_run, out=tiny_run / inside)
+    with pytest.raises(RecipeError, match=r"^--out: empty"):
+        export(tiny_run, out=" ")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"^--quant"):  # checked first; the path below is only resolved
+        export(tiny_run, out="~/models/x.gguf", quant="q2")
+    from workbench.gguf_export import check_out
+
+    check_out(Path("~/models/x.gguf").expanduser(), None)
+    assert not (tmp_path / "~").exists()
+
+
+def test_an_interrupted_exports_leftovers_are_removed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    from workbench.gguf_export import remove_leftovers
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".merging-{dead}-abc123").mkdir()
+    (tmp_path / f".merging-{dead}-abc123" / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / f".x-f16.gguf.{dead}.77.tmp").write_bytes(b"half")
+    mine = tmp_path / f".merging-{os.getpid()}-live"
+    mine.mkdir()
+    remove_leftovers(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
 
 
 def test_a_model_of_another_architecture_is_one_clear_error(tmp_path):

@@ -14,7 +14,7 @@ from workbench import RecipeError, WorkbenchError, train
 from workbench.cli import main
 from workbench.export import merge
 from workbench.hub import push
-from workbench.model_card import write_model_card
+from workbench.model_card import refresh_model_cards, write_model_card
 from workbench.runs import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,3 +181,37 @@ def test_push_uploads_the_adapter_or_the_merged_model_with_its_card(tiny_run, mo
     meta, body = merged["card"]
     assert meta["library_name"] == "transformers" and 'from_pretrained("me/tiny-merged")' in body
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".push-")]  # the scratch merge is gone
+
+
+def test_hand_edits_to_the_front_matter_survive_a_rewrite(tiny_run):
+    card = Path(tiny_run.run_dir) / "adapter" / "README.md"
+    text = card.read_text().replace("license: other", "license: apache-2.0\nbase_model: HuggingFaceTB/SmolLM2-135M")
+    card.write_text(text)
+    refresh_model_cards(tiny_run.run_dir)
+    meta, body = card_of(card.parent)
+    assert meta["license"] == "apache-2.0" and meta["base_model"] == "HuggingFaceTB/SmolLM2-135M"
+    assert "Licence: not set" not in body
+
+
+def test_push_checks_what_it_pushes_before_the_hub(tmp_path, capsys):
+    with pytest.raises(WorkbenchError) as refused:
+        push(tmp_path / "nope", "me/x")
+    assert "nope" in str(refused.value) and "Hub" not in str(refused.value)
+
+
+def test_odd_paths_cannot_break_the_card_or_its_snippet(tiny_recipe, tmp_path):
+    import ast
+    import shutil
+
+    from workbench.builtin import resolve_builtin
+
+    model = tmp_path / 'my "tiny" model'
+    shutil.copytree(resolve_builtin("builtin:tiny"), model)
+    data = tmp_path / "a`b <script>.jsonl"
+    shutil.copy(ROOT / "recipes/data/tiny_chat.jsonl", data)
+    result = train(tiny_recipe.override(*SHORT, f"model.path={model}", f"data.train={data}"), progress_bar=False)
+    meta, body = card_of(Path(result.run_dir) / "adapter")
+    assert "`` " + str(data) + " ``" in body  # a longer fence around a backtick
+    snippet = body.split("```python\n", 1)[1].split("\n```", 1)[0]
+    ast.parse(snippet)  # the model path's quotes are escaped, the snippet stays Python
+    assert '"' + str(model).replace('"', '\\"') + '"' in snippet

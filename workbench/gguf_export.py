@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,7 +64,11 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
 
     quiet_libraries()
     check_quant(quant)
-    if (Path(source) / "run.json").exists():
+    if out is not None and not str(out).strip():
+        raise RecipeError("--out: empty; name a .gguf file or leave it out for the default")
+    out = Path(out).expanduser() if out is not None else None
+    if (Path(source).expanduser() / "run.json").exists():
+        source = Path(source).expanduser()
         run = load_run(source)
         out = Path(out) if out else run.path / "gguf" / f"{run.name}-{quant}.gguf"
         check_out(out, run.path)
@@ -85,12 +90,18 @@ def check_quant(quant: str) -> None:
         raise RecipeError(f"--quant: must be one of {', '.join(QUANTS)}, got {quant!r}")
 
 
+RUN_PARTS = ("adapter", "model", "merged", "checkpoints")  # what a run saves; push uploads the first three
+
+
 def check_out(out: Path, run_path: Path | None) -> None:
     """A .gguf file path; an earlier export there is replaced, nothing else is (the run's own files least of all)."""
     target = out.resolve()
     replaceable = target.is_file() and target.suffix == ".gguf"
     if run_path is not None and target.exists() and not replaceable and target.is_relative_to(run_path.resolve()):
         raise WorkbenchError(f"--out: {out} already exists inside the run {run_path}; name a new .gguf file")
+    if run_path is not None and any(target.is_relative_to(run_path.resolve() / part) for part in RUN_PARTS):
+        raise WorkbenchError(f"--out: {out} is inside the run's {'/'.join(RUN_PARTS)} folders (saved and pushed as "
+                             "they are); the default is RUN/gguf/")
     if out.suffix != ".gguf":
         raise RecipeError(f"--out: must be a path ending in .gguf, got {out}")
     if target.exists() and not replaceable:
@@ -151,11 +162,35 @@ def merged_run(run, beside: Path):
     from .export import merge
 
     beside.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".merging-", dir=beside))
+    remove_leftovers(beside)
+    staging = Path(tempfile.mkdtemp(prefix=f".merging-{os.getpid()}-", dir=beside))
     try:
         yield merge(run.path, out=staging / "model", dtype="float32")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Temporary merges and files of exports whose process is gone (killed): a merged model can be large."""
+    for path in [*folder.glob(".merging-*"), *folder.glob(".*.gguf.*.tmp")]:
+        pid = _writer_pid(path.name)
+        if pid is not None and pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _writer_pid(name: str) -> int | None:
+    parts = name.removeprefix(".merging-").split("-") if name.startswith(".merging-") else name.split(".")[-3:-2]
+    return int(parts[0]) if parts and parts[0].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- writing the file -------------------------------------------------------------------------
@@ -177,7 +212,8 @@ def write_gguf(folder: Path, out: Path, quant: str, name: str) -> Path:
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, stored), raw_dtype=stored)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(out.name + ".tmp")
+    remove_leftovers(out.parent)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     try:
         writer.write_header_to_file(path=staging)
         writer.write_kv_data_to_file()

@@ -91,17 +91,17 @@ def push(run_dir: str | Path, repo: str, merged: bool = False, private: bool = F
     folder with a fresh model card, or with merged=True the merged model (an up-to-date RUN/merged folder,
     else a merge made for the upload). Access is checked before anything is loaded or merged. Returns the
     repository URL."""
-    check_hub_access(repo, flag="push", offline_advice="push again when online")
+    from .export import check_adapter
     from .runs import load_run
 
-    run = load_run(run_dir)
+    run = load_run(run_dir)  # what is pushed exists, before the hub is asked anything
     whole_model = run.path / "model"  # full fine-tuning saved the whole model: nothing to merge
+    if not whole_model.is_dir():
+        check_adapter(run.path, run.adapter_dir)
+    check_hub_access(repo, flag="push", offline_advice="push again when online")
     if whole_model.is_dir():
         return _push_with_card(whole_model, run.path, repo, private, "merged", "model")
     if not merged:
-        from .export import check_adapter
-
-        check_adapter(run.path, run.adapter_dir)
         return _push_with_card(run.adapter_dir, run.path, repo, private, "adapter", "adapter")
     existing = run.path / "merged"
     if _merged_is_current(existing, run.adapter_dir):

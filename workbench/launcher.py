@@ -44,6 +44,7 @@ class LaunchPlan:
 def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, nproc: int = 1, nnodes: int = 1,
                 node_rank: int = 0, master: str = "127.0.0.1:29500", train_args: list[str] | None = None) -> LaunchPlan:
     from .recipe import Recipe
+    from .trackers import check_tracker_packages
 
     if nproc < 1 or nnodes < 1:
         raise RecipeError("--nproc and --nnodes: must be at least 1")
@@ -54,6 +55,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
         raise RecipeError(f"--master: expected IP:PORT with a port from 1 to 65535, got {master!r}")
 
     recipe = Recipe.load(recipe_path, overrides or [])  # fail here, before any process starts
+    check_tracker_packages(recipe.output.trackers)  # a missing package would fail every rank at once
     # accelerate's flag wants a concrete mode; each rank resolves the recipe again on its own device
     mixed_precision = resolve_precision(recipe, local_kind()).mixed_precision
     train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]

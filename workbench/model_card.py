@@ -8,6 +8,7 @@ before a push (with the repository id in the loading snippet).
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -38,10 +39,30 @@ def write_model_card(folder: str | Path, run_dir: str | Path, kind: str = "adapt
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
     folder = Path(folder)
-    card = render_model_card(load_run(run_dir), kind, folder, repo_id)
     path = folder / "README.md"
+    card = render_model_card(load_run(run_dir), kind, folder, repo_id, kept=user_front_matter(path))
     path.write_text(card, encoding="utf-8")
     return path
+
+
+USER_KEYS = ("license", "license_name", "license_link", "base_model", "base_model_relation", "language", "datasets")
+
+
+def user_front_matter(card: Path) -> dict:
+    """The keys a user sets by hand in an existing card (the licence, the hub's base model, the language):
+    written again, the card keeps them."""
+    import yaml
+
+    try:
+        text = card.read_text(encoding="utf-8")
+        if not text.startswith("---\n"):
+            return {}
+        meta = yaml.safe_load(text[4:text.index("\n---", 4)])
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    if not isinstance(meta, dict) or "lora-workbench" not in (meta.get("tags") or []):
+        return {}  # not a card of ours (peft's save_pretrained writes a stub card of its own first)
+    return {k: meta[k] for k in USER_KEYS if meta.get(k) is not None}
 
 
 def write_model_card_or_warn(folder: str | Path, run_dir: str | Path, kind: str = "adapter") -> Path | None:
@@ -49,7 +70,7 @@ def write_model_card_or_warn(folder: str | Path, run_dir: str | Path, kind: str 
     be written is a warning, never a failed save."""
     try:
         return write_model_card(folder, run_dir, kind)
-    except (OSError, WorkbenchError) as err:
+    except Exception as err:  # noqa: BLE001  (whatever a damaged run.json makes of the card: never the save)
         warnings.warn(f"{Path(folder) / 'README.md'}: model card not written ({err})", stacklevel=2)
         return None
 
@@ -65,12 +86,12 @@ def refresh_model_cards(run_dir: str | Path) -> None:
 # -- the card ---------------------------------------------------------------------------------
 
 
-def render_model_card(run, kind: str, folder: Path, repo_id: str | None = None) -> str:
-    """The card's text: YAML front matter, then the body in Markdown."""
+def render_model_card(run, kind: str, folder: Path, repo_id: str | None = None, kept: dict | None = None) -> str:
+    """The card's text: YAML front matter (`kept`: the keys a user set by hand win), then the body in Markdown."""
     recipe, summary = run.recipe, run.summary
     sections = [
         _title(run, kind, folder),
-        _licence_note(recipe),
+        _licence_note((kept or {}).get("license")),
         _method_section(recipe, summary),
         _objective_section(recipe, summary),
         _data_section(recipe, summary),
@@ -81,15 +102,15 @@ def render_model_card(run, kind: str, folder: Path, repo_id: str | None = None) 
         _loading_section(recipe, kind, repo_id),
     ]
     body = "\n\n".join(s for s in sections if s)
-    return f"---\n{front_matter_yaml(run, kind)}---\n\n{body}\n"
+    return f"---\n{front_matter_yaml(run, kind, kept)}---\n\n{body}\n"
 
 
-def front_matter_yaml(run, kind: str) -> str:
+def front_matter_yaml(run, kind: str, kept: dict | None = None) -> str:
     import yaml
 
     recipe, summary = run.recipe, run.summary
     base = hub_model_id(_section(recipe, "model").get("path", ""))
-    licence = recipe.get("license") if isinstance(recipe.get("license"), str) else "other"
+    licence = "other"  # the user sets it in the card (kept when the card is written again)
     datasets = [d for d in (_hub_data_id(recipe, summary, role) for role in ("train", "eval")) if d]
     results = _eval_results(recipe, summary, run.evaluation)
     meta = {
@@ -102,6 +123,7 @@ def front_matter_yaml(run, kind: str) -> str:
         "pipeline_tag": "text-generation",
         "model-index": [{"name": recipe.get("name") or run.name, "results": results}] if results else None,
     }
+    meta.update(kept or {})
     return yaml.safe_dump({k: v for k, v in meta.items() if v is not None}, sort_keys=False, allow_unicode=True)
 
 
@@ -131,25 +153,25 @@ def _title(run, kind: str, folder: Path) -> str:
     recipe = run.recipe
     name, base = recipe.get("name") or run.name, _base_name(recipe)
     if _is_full(recipe):
-        what = f"A full fine-tune of `{base}` (every weight trained)"
+        what = f"A full fine-tune of {_code(base)} (every weight trained)"
     elif kind == "adapter":
-        what = f"A {_method_name(recipe)} adapter for `{base}`"
+        what = f"A {_method_name(recipe)} adapter for {_code(base)}"
     else:
-        what = f"`{base}` with a {_method_name(recipe)} adapter merged into its weights"
+        what = f"{_code(base)} with a {_method_name(recipe)} adapter merged into its weights"
     dtype = _folder_dtype(folder) if kind == "merged" else None
-    lines = [f"# {name}", "", f"{what}, trained with lora-workbench (objective `{_objective(recipe, run.summary)}`)."]
+    lines = [f"# {name}", "", f"{what}, trained with lora-workbench (objective {_code(_objective(recipe, run.summary))})."]
     if dtype:
         lines.append(f"Weights saved in {dtype}.")
-    lines += ["", f"- **Base model:** `{base}`{_base_note(base)}"]
+    lines += ["", f"- **Base model:** {_code(base)}{_base_note(base)}"]
     return "\n".join(lines)
 
 
-def _licence_note(recipe: dict) -> str | None:
-    if isinstance(recipe.get("license"), str):
+def _licence_note(licence: str | None) -> str | None:
+    if licence not in (None, "other"):
         return None
-    return ("> **Licence: not set.** The front matter says `license: other` because the recipe names no licence. "
-            "This model derives from its base model: set `license:` to the base model's licence (and "
-            "`license_name` / `license_link` for a custom one) before sharing it.")
+    return ("> **Licence: not set.** The front matter says `license: other` until you set it. This model derives "
+            "from its base model: set `license:` to the base model's licence (and `license_name` / `license_link` "
+            "for a custom one) in this card before sharing it; writing the card again keeps what you set.")
 
 
 def _method_section(recipe: dict, summary: dict) -> str:
@@ -171,7 +193,7 @@ def _method_section(recipe: dict, summary: dict) -> str:
 
 def _objective_section(recipe: dict, summary: dict) -> str:
     objective, training = _objective(recipe, summary), _section(recipe, "training")
-    text = f"## Objective\n\n`{objective}`: {OBJECTIVES.get(objective, objective)}."
+    text = f"## Objective\n\n{_code(objective)}: {OBJECTIVES.get(objective, objective)}."
     if objective == "dpo":
         text += f" beta = {training.get('dpo_beta')}."
     elif objective == "orpo":
@@ -181,15 +203,15 @@ def _objective_section(recipe: dict, summary: dict) -> str:
 
 def _data_section(recipe: dict, summary: dict) -> str:
     data = _section(recipe, "data")
-    rows = [("train", f"`{data.get('train')}`", summary.get("train_samples"), _digest(summary.get("train_sha256")))]
+    rows = [("train", f"{_code(data.get('train'))}", summary.get("train_samples"), _digest(summary.get("train_sha256")))]
     if data.get("eval"):
-        rows.append(("eval", f"`{data['eval']}`", summary.get("eval_samples"), _digest(summary.get("eval_sha256"))))
+        rows.append(("eval", f"{_code(data['eval'])}", summary.get("eval_samples"), _digest(summary.get("eval_sha256"))))
     elif data.get("eval_split"):
         rows.append(("eval", f"{data['eval_split']} of train, held out", summary.get("eval_samples"),
                      "(as train)"))
     table = _table(("role", "data", "rows", "SHA-256"), rows)
     loss_on = "" if data.get("format") == "preference" else f", loss on {data.get('train_on', 'completions')}"
-    settings = (f"Format `{data.get('format')}`, sequences of up to {data.get('max_seq_len')} tokens"
+    settings = (f"Format {_code(data.get('format'))}, sequences of up to {data.get('max_seq_len')} tokens"
                 f"{', packed' if data.get('packing') else ''}{loss_on}"
                 + (f", first {data['limit']} rows" if data.get("limit") else "") + ".")
     return f"## Data\n\n{table}\n\n{settings}"
@@ -230,7 +252,7 @@ def _results_section(summary: dict, metrics: list[dict], env: dict) -> str:
     rows += _preference_rows(summary)
     where = _measured_on(summary, env)
     status = summary.get("status")
-    note = "" if status == "completed" else f"\n\nThe run's status is `{status}`: figures may be incomplete."
+    note = "" if status == "completed" else f"\n\nThe run's status is {_code(status)}: figures may be incomplete."
     return f"## Results\n\nMeasured by the run{where}.\n\n" + _table(("figure", "value"), rows) + note
 
 
@@ -252,7 +274,7 @@ def _evaluation_section(evaluation: dict) -> str | None:
         return None
     rows = [(k, base.get(k), tuned.get(k)) for k in figures]
     what = "pairs" if "preference_accuracy" in figures else "rows"
-    intro = (f"`workbench evaluate` on {evaluation.get('rows')} {what} of `{evaluation.get('data')}`"
+    intro = (f"`workbench evaluate` on {evaluation.get('rows')} {what} of {_code(evaluation.get('data'))}"
              f" (after step {evaluation.get('run_steps')}).")
     return f"## Evaluation\n\n{intro}\n\n" + _table(("figure", "base", "tuned"), rows)
 
@@ -266,21 +288,21 @@ def _recipe_section(run_path: Path) -> str | None:
 
 
 def _loading_section(recipe: dict, kind: str, repo_id: str | None) -> str:
-    where = repo_id or "path/to/this/folder"
+    where = _literal(repo_id or "path/to/this/folder")
     if kind == "merged" or _is_full(recipe):
         code = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                f'model = AutoModelForCausalLM.from_pretrained("{where}")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
+                f"model = AutoModelForCausalLM.from_pretrained({where})\n"
+                f"tokenizer = AutoTokenizer.from_pretrained({where})")
         return f"## Use it\n\nA plain transformers model (no peft needed):\n\n```python\n{code}\n```"
     model = _section(recipe, "model")
     path, options = model.get("path", ""), _hub_options(model)
     builtin = isinstance(path, str) and path.startswith("builtin:")
-    base_line = (f'base = AutoModelForCausalLM.from_pretrained(resolve_model_path("{path}"){options})' if builtin
-                 else f'base = AutoModelForCausalLM.from_pretrained("{path}"{options})')
+    base_line = (f"base = AutoModelForCausalLM.from_pretrained(resolve_model_path({_literal(path)}){options})" if builtin
+                 else f"base = AutoModelForCausalLM.from_pretrained({_literal(path)}{options})")
     code = ("from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             + ("from workbench.models import resolve_model_path  # builds the builtin base model\n" if builtin else "")
-            + f"\n{base_line}\nmodel = PeftModel.from_pretrained(base, \"{where}\")\n"
-            f'tokenizer = AutoTokenizer.from_pretrained("{where}")  # the tokenizer training used')
+            + f"\n{base_line}\nmodel = PeftModel.from_pretrained(base, {where})\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({where})  # the tokenizer training used")
     text = f"## Use it\n\nLoad the base model, then the adapter on top of it with peft:\n\n```python\n{code}\n```"
     if _section(recipe, "adapter").get("method") == "qlora":
         text += ("\n\nThe adapter was trained on quantized base weights; it loads onto the unquantized base as "
@@ -289,6 +311,18 @@ def _loading_section(recipe: dict, kind: str, repo_id: str | None) -> str:
 
 
 # -- small helpers ----------------------------------------------------------------------------
+
+
+def _code(value) -> str:
+    """An inline code span whatever the text holds: one line, fenced by more backticks than it contains."""
+    text = " ".join(str(value).splitlines())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}" if fence != "`" or text.startswith("`") or text.endswith("`") else f"`{text}`"
+
+
+def _literal(value) -> str:
+    """A Python string literal of any text, for the snippets."""
+    return json.dumps(str(value))
 
 
 def _section(data: dict, name: str) -> dict:
@@ -321,8 +355,8 @@ def _scaling(adapter: dict) -> str | None:
 
 def _modules(value) -> str | None:
     if isinstance(value, list):
-        return ", ".join(f"`{v}`" for v in value)
-    return f"`{value}`" if value else None
+        return ", ".join(f"{_code(v)}" for v in value)
+    return f"{_code(value)}" if value else None
 
 
 def _share(part, whole) -> str | None:
@@ -346,7 +380,7 @@ def _base_note(base: str) -> str:
 def _hub_options(model: dict) -> str:
     options = ""
     if model.get("revision"):
-        options += f', revision="{model["revision"]}"'
+        options += f", revision={_literal(model['revision'])}"
     if model.get("trust_remote_code"):
         options += ", trust_remote_code=True"
     return options
@@ -363,8 +397,8 @@ def _folder_dtype(folder: Path) -> str | None:
 
 def _digest(fingerprint) -> str | None:
     if isinstance(fingerprint, str) and fingerprint.startswith(HUB_DATA_PREFIX):
-        return f"hub data set (datasets fingerprint `{fingerprint.rsplit(':', 1)[-1]}`)"
-    return f"`{fingerprint}`" if fingerprint else None
+        return f"hub data set (datasets fingerprint {_code(fingerprint.rsplit(':', 1)[-1])})"
+    return f"{_code(fingerprint)}" if fingerprint else None
 
 
 def _hub_data_id(recipe: dict, summary: dict, role: str) -> str | None:

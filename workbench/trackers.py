@@ -47,10 +47,12 @@ def prepare_trackers(trackers: list[str], run_dir: Path) -> dict:
     init_kwargs = {}
     if "wandb" in trackers and not os.environ.get("WANDB_DIR"):
         init_kwargs["wandb"] = {"dir": str(run_dir)}  # W&B writes <dir>/wandb/; WANDB_MODE stays W&B's own
+        os.environ.setdefault("WANDB_CACHE_DIR", str(Path(run_dir).resolve() / "wandb" / "cache"))  # its debug logs
     if "mlflow" in trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
         os.environ["MLFLOW_TRACKING_URI"] = (Path(run_dir).resolve() / "mlruns").as_uri()
         # MLflow 3 refuses a file store unless asked: it is the one store mlflow-skinny runs without a database
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no look-up abroad, no file in ~/.config
     return init_kwargs
 
 
