@@ -242,24 +242,6 @@ def test_chat_main_reports_a_bad_source_on_one_line(capsys):
     assert capsys.readouterr().err.startswith("error: model.path: no/such/model/folder does not exist")
 
 
-# -- the quickstart, end to end -----------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_quickstart_tuned_beats_base_on_held_out_questions(tmp_path):
-    # 3 of the recipe's 6 epochs (12 steps) already teach the name; the answer is 28 tokens with EOS
-    recipe = Recipe.load("recipes/quickstart.yaml").override(
-        f"output.dir={tmp_path}/{{name}}", "output.sample_prompts=[]", "output.save_every=null",
-        "output.eval_every=null", "training.epochs=3")
-    run = train(recipe, progress_bar=False)
-    result = evaluate(run.run_dir, base=True, max_new_tokens=32)
-    tuned, base = result["tuned"], result["base"]
-    assert tuned["eval_loss"] < 0.5 * base["eval_loss"]
-    assert tuned["contains"] > base["contains"] and base["contains"] == 0  # the base has never heard of Quill
-    assert any("Quill" in e["tuned"] for e in result["examples"])
-    assert not any("Quill" in e["base"] for e in result["examples"])
-
-
 def test_the_cli_merges_evaluates_and_shows_scores_in_the_runs_table(tiny_run, tmp_path, capsys):
     import shutil
 

@@ -1,4 +1,5 @@
-"""The README's quickstart, end to end: SmolLM2-135M learns a new identity on a CPU."""
+"""The README's quickstart, end to end: SmolLM2-135M learns a new identity on a CPU, and `workbench evaluate`
+scores it against its base on held-out questions."""
 
 import json
 import subprocess
@@ -19,11 +20,13 @@ def test_quickstart_teaches_smollm2_its_new_name(tmp_path):
     sample = summary["samples"][0]
     assert "Quill" in sample["after"] and "Quill" not in sample["before"]
 
-    base = subprocess.run([sys.executable, "-m", "workbench", "generate", str(tmp_path / "quickstart"), "--base",
-                           "--prompt", "What is your name?", "--max-new-tokens", "24"],
-                          capture_output=True, text=True, timeout=300)
-    tuned = subprocess.run([sys.executable, "-m", "workbench", "generate", str(tmp_path / "quickstart"),
-                            "--prompt", "What is your name?", "--max-new-tokens", "24"],
-                           capture_output=True, text=True, timeout=300)
-    assert base.returncode == tuned.returncode == 0
-    assert "Quill" in tuned.stdout and "Quill" not in base.stdout
+    # base beside tuned on the held-out questions, through the command line (what the README shows next)
+    scored = subprocess.run([sys.executable, "-m", "workbench", "evaluate", str(tmp_path / "quickstart"), "--base",
+                             "--max-new-tokens", "32", "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(scored.stdout)
+    tuned, base = result["tuned"], result["base"]
+    assert tuned["eval_loss"] < 0.5 * base["eval_loss"]
+    assert tuned["contains"] > base["contains"] and base["contains"] == 0  # the base has never heard of Quill
+    assert any("Quill" in e["tuned"] for e in result["examples"])
+    assert not any("Quill" in e["base"] for e in result["examples"])
