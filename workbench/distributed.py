@@ -296,7 +296,7 @@ class Heartbeat:
             if rank == self.rank:
                 continue
             host, _, pid = (self._get(f"workbench/pid/{rank}") or "").partition(" ")
-            if host == self.host and pid.isdigit() and not _alive(int(pid)):
+            if host == self.host and pid.isdigit() and not process_alive(int(pid)):
                 gone.append(f"rank {rank} (pid {pid}) exited")
                 continue
             done = self._get(f"workbench/step/{rank}")
@@ -337,7 +337,8 @@ def _raised_in_collective(err: BaseException) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine still runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -172,25 +172,17 @@ def merged_run(run, beside: Path):
 
 def remove_leftovers(folder: Path) -> None:
     """Temporary merges and files of exports whose process is gone (killed): a merged model can be large."""
+    from .distributed import process_alive
+
     for path in [*folder.glob(".merging-*"), *folder.glob(".*.gguf.*.tmp")]:
         pid = _writer_pid(path.name)
-        if pid is not None and pid != os.getpid() and not _alive(pid):
+        if pid is not None and pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _writer_pid(name: str) -> int | None:
     parts = name.removeprefix(".merging-").split("-") if name.startswith(".merging-") else name.split(".")[-3:-2]
     return int(parts[0]) if parts and parts[0].isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- writing the file -------------------------------------------------------------------------
