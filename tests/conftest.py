@@ -37,3 +37,19 @@ def tiny_tokenizer(tiny_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_path(tiny_path, tmp_path_factory):
+    """builtin:tiny published in bfloat16, as Llama 3 and SmolLM2 are (its tokenizer and configs beside)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-bf16")
+    for item in Path(tiny_path).iterdir():
+        if item.is_file() and item.suffix not in (".safetensors", ".bin") and not item.name.endswith(".index.json"):
+            shutil.copy(item, folder / item.name)
+    AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder

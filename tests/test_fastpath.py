@@ -79,6 +79,36 @@ def test_chunked_loss_gradient_of_a_trainable_head():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_16bit_head_computed_in_float32_matches_the_float32_head(monkeypatch, masked):
+    """precision.vocabulary_dtype_of keeps a frozen head in bf16 while the model computes in float32: the loss
+    casts it a slice of the vocabulary at a time (slices of 7 words and a short last one here) and must give
+    the loss and hidden-state gradient of the float32 head (whose values are exactly bf16's), compacted rows
+    (CPU) or masked ones (accelerators) alike."""
+    from workbench.lm_loss import _LinearCrossEntropySum
+
+    torch.manual_seed(0)
+    monkeypatch.setattr("workbench.lm_loss.CHUNK_ELEMENTS", 16 * 7)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(50, 16).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = IGNORE
+    full = F.cross_entropy((hidden @ weight.float().t()).flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    (expected,) = torch.autograd.grad(3 * full, hidden)
+    if masked:
+        flat, targets = hidden.flatten(0, 1), labels.flatten()
+        loss = _LinearCrossEntropySum.apply(flat, weight, targets.clamp(min=0), targets != IGNORE, 64, torch.float32)
+    else:
+        loss = linear_cross_entropy_sum(hidden, weight, labels, torch.float32)
+    (got,) = torch.autograd.grad(3 * loss, hidden)
+    torch.testing.assert_close(loss, full, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # evaluation's loss takes the same path without a gradient
+        torch.testing.assert_close(linear_cross_entropy_sum(hidden, weight, labels, torch.float32), full,
+                                   rtol=1e-6, atol=1e-5)
+
+
 def test_chunked_loss_needs_a_plain_head(tiny_path):
     assert plain_head(lora_model(tiny_path).get_base_model()) is not None
     on_head = lora_model(tiny_path, targets=["q_proj", "lm_head"])  # LoRA on the head: ordinary path

@@ -129,6 +129,45 @@ def test_qlora_keeps_the_unquantized_frozen_weights_in_the_model_dtype(tmp_path)
     assert held[True] - held[False] == 2 * unquantized
 
 
+def test_qlora_computing_in_float32_keeps_a_bf16_checkpoints_vocabulary_in_bf16(tmp_path, tiny_bf16_path):
+    """Where a QLoRA model computes in float32 (a CPU without native bf16), the embeddings and head of a bf16
+    checkpoint stay bf16 (precision.vocabulary_dtype_of): the same loss, gradients and logits as the float32
+    upcast, and the estimator counts half the bytes for them."""
+    from workbench.lm_loss import lm_loss_sum
+    from workbench.memory import vocabulary_params, weight_bytes
+    from workbench.model_configs import describe_model
+
+    recipe = method_recipe("tiny-qlora", tmp_path, f"model.path={tiny_bf16_path}", "model.dtype=float32",
+                           "training.mixed_precision=no", "quantization.compute_dtype=float32")
+    ids = torch.arange(3, 40)[None]
+    batch = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None], "labels": ids.roll(-1, 1)}
+    runs = {}
+    for upcast in (False, True):
+        r = recipe.override(f"quantization.upcast_frozen={str(upcast).lower()}")
+        torch.manual_seed(0)
+        model = attach_adapter(load_base_model(r), r)
+        embeddings = model.get_input_embeddings().weight
+        assert embeddings.dtype == (torch.float32 if upcast else torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():  # the adapter away from zero, so its gradients mean something
+                if p.requires_grad:
+                    p.copy_(torch.randn_like(p) * 0.05)
+        loss = lm_loss_sum(model, batch)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            out = model(input_ids=ids).logits  # the model's own head: evaluation, generation
+        assert out.dtype == torch.float32
+        runs[upcast] = (loss.detach(), grads, out)
+    torch.testing.assert_close(runs[False][0], runs[True][0], rtol=1e-5, atol=0)
+    for lean, upcast in zip(runs[False][1], runs[True][1]):
+        torch.testing.assert_close(lean, upcast, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(runs[False][2], runs[True][2], rtol=1e-5, atol=1e-5)
+    info = describe_model(str(tiny_bf16_path))
+    upcast = recipe.override("quantization.upcast_frozen=true")
+    assert weight_bytes(upcast, info) - weight_bytes(recipe, info) == 2 * vocabulary_params(info)
+
+
 def test_trained_copies_are_float32_under_autocast(tmp_path):
     """peft copies a modules_to_save module in the base's dtype; under autocast the workbench trains it in float32
     (AdamW on bf16 weights loses small updates), and without autocast it stays in the dtype the layers around it
@@ -145,10 +184,13 @@ def test_trained_copies_are_float32_under_autocast(tmp_path):
 
 
 @pytest.mark.slow
-def test_lean_qlora_trains_as_well_as_the_float32_upcast(tmp_path):
-    """The memory the lean path saves costs no quality: eval loss within 1% of peft's float32-upcast path."""
-    common = ["model.dtype=bfloat16", "training.mixed_precision=no", "quantization.compute_dtype=float32",
-              "training.max_steps=10", "output.save_every=null", "output.eval_every=10"]
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float32"])
+def test_lean_qlora_trains_as_well_as_the_float32_upcast(tmp_path, tiny_bf16_path, model_dtype):
+    """The memory the lean path saves costs no quality: eval loss within 1% of peft's float32-upcast path, with
+    the model in bf16, and in float32 from a bf16 checkpoint (whose vocabulary then stays bf16)."""
+    common = [f"model.dtype={model_dtype}", "training.mixed_precision=no", "quantization.compute_dtype=float32",
+              "training.max_steps=10", "output.save_every=null", "output.eval_every=10",
+              *([f"model.path={tiny_bf16_path}"] if model_dtype == "float32" else [])]
     evals = {}
     for upcast in ("false", "true"):
         result = train(method_recipe("tiny-qlora", tmp_path, *common, f"name=upcast-{upcast}",

@@ -41,21 +41,28 @@ def compile_layers(model) -> int:
 
 
 def lora_fast_paths(model) -> int:
-    """No float32 input copy under autocast, and sparse dropout on CPU; returns how many LoRA layers changed."""
+    """Sparse dropout on CPU for every LoRA layer (4-bit and 8-bit ones too: nn.Dropout there kept a float32
+    mask as large as each adapted layer's input, 0.6 GB of a QLoRA step at 512 tokens on bench:llama3-1b),
+    and no float32 input copy under autocast for LoRA on nn.Linear (4-bit and 8-bit layers cast as PEFT
+    does). DoRA and other variants keep PEFT's own path. Returns how many LoRA layers changed."""
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
 
     changed = 0
     for module in model.modules():
-        # plain LoRA on nn.Linear only: DoRA and other variants, 4-bit and 8-bit layers keep PEFT's own path
-        if type(module) is not LoraLinear or module.lora_variant:
-            continue
-        dropouts = module.lora_dropout
+        if not isinstance(module, LoraLayer) or getattr(module, "lora_variant", None):
+            continue  # DoRA and other variants keep PEFT's own path
+        touched = False
         if _on_cpu(module):
+            dropouts = module.lora_dropout
             for name, dropout in list(dropouts.items()):
                 if type(dropout) is torch.nn.Dropout and dropout.p > 0:
                     dropouts[name] = SparseDropout(dropout.p)
-        module._cast_input_dtype = types.MethodType(_cast_unless_autocast, module)
-        changed += 1
+                    touched = True
+        if type(module) is LoraLinear:
+            module._cast_input_dtype = types.MethodType(_cast_unless_autocast, module)
+            touched = True
+        changed += touched
     return changed
 
 

@@ -3,10 +3,13 @@
 glibc serves mid-sized allocations from its heaps and raises its mmap threshold as large blocks are freed
 (up to 32 MiB), so after a few steps the per-step tensors of a CPU run (a layer's activations, a 4-bit
 layer dequantized for its matmul) come from heaps that keep freed memory and fragment. A fixed threshold
-maps every block of at least LARGE_BLOCK on its own and unmaps it when freed. Measured with
-`python bench/methods.py --model bench:llama3-1b --steps 2 --batch 1 --seq 512 --only lora,qlora-nf4`
-(float32 on a 2-core AVX2 CPU): peak RSS 10,588 -> 8,341 MB for LoRA and 9,441 -> 5,998 MB for QLoRA,
-tokens/s unchanged (17 -> 18 and 13 -> 14).
+maps every block of at least LARGE_BLOCK on its own and unmaps it when freed.
+
+Measured with `python bench/methods.py --model bench:llama3-1b --steps 2 --batch 1 --seq 512
+--only lora,qlora-nf4` (float32 on a 2-core AVX2 CPU): glibc's own threshold 10,588 MB LoRA and 9,441 MB
+QLoRA; 4 MiB 8,341 and 5,998 MB; 1 MiB (now) see docs/estimator.md. At 4 MiB a row of 497 tokens of a
+2,048-wide model (4,071,424 bytes a hidden state) stayed in the heap, and a QLoRA run held 2.1 GB of freed
+blocks from one step to the next; tokens/s did not change.
 
 The command line sets it for the processes that train (`workbench train`, and each rank of `workbench
 launch`): it is the process's allocator, not a library's to change. In a notebook, call
@@ -19,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-LARGE_BLOCK = 4 << 20  # bytes: a 1024 x 1024 float32 matrix; smaller blocks keep the heap's speed
+LARGE_BLOCK = 1 << 20  # bytes: a 512 x 512 float32 matrix; smaller blocks keep the heap's speed
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 _state: bool | None = None  # this process: set (True), trains without it (False), not decided yet (None)
 

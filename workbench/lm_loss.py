@@ -121,6 +121,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, valid, chunk: int, compute_dtype):
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if weight.dtype != compute_dtype and compute_dtype == torch.float32 and not needs_weight:
+            total, grad_hidden = _sliced_vocabulary(hidden, weight, targets, valid, needs_hidden)
+            ctx.save_for_backward(grad_hidden, None)
+            ctx.weight_dtype = weight.dtype
+            return total
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
@@ -160,3 +165,41 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _sliced_vocabulary(hidden, weight, targets, valid, needs_hidden: bool):
+    """The loss sum and its gradient for a frozen 16-bit head computed in float32, casting the head a slice of
+    the vocabulary at a time (precision.vocabulary_dtype_of): all rows at once, the softmax kept online (a
+    running maximum, the sum of exponentials and the probability-weighted sum of head rows, rescaled as the
+    maximum grows), so neither a float32 copy of the head nor a row of logits as wide as the vocabulary is
+    ever held. The same two matmuls per slice as the row-chunked path does per chunk."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    with torch.autocast(hidden.device.type, enabled=False):
+        h = hidden.float()
+        step = max(1, CHUNK_ELEMENTS // max(rows, weight.shape[1]))
+        running_max = torch.full((rows,), float("-inf"), device=h.device)
+        sums = torch.zeros(rows, device=h.device)
+        target_logits = torch.zeros(rows, device=h.device)
+        weighted = torch.zeros_like(h) if needs_hidden else None  # sum of exp(logit - max) * head row
+        for start in range(0, vocab, step):
+            w = weight[start:start + step].float()
+            logits = h @ w.t()
+            local = targets - start
+            inside = (local >= 0) & (local < w.shape[0])
+            target_logits += torch.where(inside, logits.gather(1, local.clamp(0, w.shape[0] - 1)[:, None]).squeeze(1), 0.0)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            rescale = torch.exp(running_max - new_max)
+            probs = logits.sub_(new_max[:, None]).exp_()
+            sums = sums * rescale + probs.sum(dim=1)
+            if needs_hidden:
+                weighted = weighted * rescale[:, None] + probs @ w
+            running_max = new_max
+        losses = running_max + sums.log() - target_logits
+        grad_hidden = None
+        if needs_hidden:  # d loss / d hidden = softmax @ W - W[target]
+            grad_hidden = weighted / sums[:, None] - weight.index_select(0, targets).float()
+            if valid is not None:
+                grad_hidden *= valid[:, None]
+            grad_hidden = grad_hidden.to(hidden.dtype)
+    total = (losses if valid is None else losses * valid).sum()
+    return total, grad_hidden

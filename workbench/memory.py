@@ -21,7 +21,7 @@ from .model_configs import ModelInfo, describe_model
 from .attention import dense_mask_warning, mask_bytes
 from .attention import resolve as resolve_attention
 from .attention import with_implementation as attention_for
-from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe
+from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype_of
 from .recipe import Recipe
 from .strategies import FSDP, PARTS, Layout, candidates, nodes_from_env
 
@@ -29,8 +29,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
 CPU_HEAP_GROWTH = 1.5  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap: 1.3 measured
 # when the tokenized data is cached, 1.7 when the run tokenizes first)
-CPU_MAPPED_GROWTH = 1.15  # the same when those tensors are blocks the heap maps on its own (workbench/heap.py:
-# bench:llama3-1b, 1 x 512 tokens, float32: 8,341 MB LoRA and 5,998 MB QLoRA measured)
+# Blocks the heap maps on its own (workbench/heap.py) go back to the system when freed: no growth for those
+# (bench:llama3-1b, 1 x 512 tokens, float32, 1 MiB threshold: LoRA, QLoRA and checkpointing within 2%).
 TOKENIZER_BYTES_PER_ENTRY = 1200  # RSS of a loaded fast tokenizer per vocabulary entry (measured)
 CHARS_PER_TOKEN = 4  # token count of a data file, approximated from its text
 QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights
@@ -267,18 +267,30 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         terms["allocator"] = int((cpu_heap_growth(recipe, info) - 1) * step)
         train_peak = sum(terms[k] for k in ("weights", "adapter", "optimizer", "autocast_copies", "runtime",
                                             "allocator")) + _step_bytes(terms, gradients)
-        # Loading maps the checkpoint file; converting its dtype keeps file pages and new weights at once.
-        checkpoint = info.checkpoint_bytes or info.params * DTYPE_BYTES.get(info.checkpoint_dtype, 2)
-        same = info.checkpoint_dtype == recipe.model.dtype and method != "qlora"
-        load_peak = runtime + weights + (0 if same else checkpoint)
+        load_peak = runtime + weights + loading_transient_bytes(recipe, info, method)
         terms["loading"] = max(0, load_peak - train_peak)
     return terms
 
 
+def loading_transient_bytes(recipe: Recipe, info: ModelInfo, method: str) -> int:
+    """What loading holds beside the finished weights. A mapped checkpoint (hub models, remote code): the file's
+    pages while its dtype is converted or it is quantized. Read a tensor at a time (local safetensors,
+    models.read_without_mapping): the largest tensor as read, the embedding."""
+    checkpoint_dtype_bytes = DTYPE_BYTES.get(info.checkpoint_dtype, 2)
+    if info.read_without_mapping:
+        # and a 16-bit vocabulary is loaded in the model dtype before it is cast down (prepare_quantized)
+        narrowed = vocabulary_params(info) * (DTYPE_BYTES[frozen_dtype_of(recipe)] -
+                                              DTYPE_BYTES[vocabulary_dtype(recipe, info)])
+        return info.vocab * info.hidden * checkpoint_dtype_bytes + narrowed
+    checkpoint = info.checkpoint_bytes or info.params * checkpoint_dtype_bytes
+    same = info.checkpoint_dtype == recipe.model.dtype and method != "qlora"
+    return 0 if same else checkpoint
+
+
 def cpu_heap_growth(recipe: Recipe, info: ModelInfo) -> float:
     """RSS per byte of per-step tensors. When the training process maps large blocks on its own and returns
-    them when freed (workbench/heap.py), the share of a step's bytes in such blocks grows less: that share is
-    taken as 1 - LARGE_BLOCK / (a micro-batch's MLP activation), so the estimate still rises with the size."""
+    them when freed (workbench/heap.py), the share of a step's bytes in such blocks does not grow: that share
+    is taken as 1 - LARGE_BLOCK / (a micro-batch's MLP activation)."""
     from .heap import LARGE_BLOCK, large_blocks_returned
 
     if not large_blocks_returned():
@@ -286,7 +298,7 @@ def cpu_heap_growth(recipe: Recipe, info: ModelInfo) -> float:
     tokens = recipe.training.micro_batch_size * recipe.data.row_len
     typical = tokens * max(info.intermediate, info.hidden) * DTYPE_BYTES[frozen_dtype_of(recipe)]
     mapped = max(0.0, 1 - LARGE_BLOCK / typical)
-    return 1 + (CPU_MAPPED_GROWTH - 1) * mapped + (CPU_HEAP_GROWTH - 1) * (1 - mapped)
+    return 1 + (CPU_HEAP_GROWTH - 1) * (1 - mapped)
 
 
 def _step_bytes(terms: dict, gradients: int) -> int:
@@ -332,8 +344,26 @@ def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
     if recipe.adapter.method != "qlora":
         return info.params * DTYPE_BYTES[recipe.model.dtype]
     quantized = sum(lin.in_features * lin.out_features for lin in info.linears if lin.name != info.head)
-    # the rest (embeddings, head, norms) in the model dtype, or float32 with quantization.upcast_frozen
-    return int(_quantized_bytes(quantized, recipe) + DTYPE_BYTES[frozen_dtype_of(recipe)] * (info.params - quantized))
+    # the rest (embeddings, head, norms) in the model dtype, or float32 with quantization.upcast_frozen;
+    # the vocabulary 16-bit as published where the model computes in float32 (precision.vocabulary_dtype_of)
+    vocabulary = vocabulary_params(info)
+    return int(_quantized_bytes(quantized, recipe) + DTYPE_BYTES[frozen_dtype_of(recipe)] *
+               (info.params - quantized - vocabulary) + DTYPE_BYTES[vocabulary_dtype(recipe, info)] * vocabulary)
+
+
+def vocabulary_params(info: ModelInfo) -> int:
+    """The input embeddings and, when it has its own matrix, the output head."""
+    head = next((lin for lin in info.linears if lin.name == info.head), None)
+    untied = head.in_features * head.out_features if head is not None and not info.tied_embeddings else 0
+    return info.embedding_params + untied
+
+
+def vocabulary_dtype(recipe: Recipe, info: ModelInfo) -> str:
+    """What the run keeps its embeddings and head in (models.prepare_quantized: only where the loss stands in
+    for the head)."""
+    if chunked_loss(recipe, info):
+        return vocabulary_dtype_of(recipe, info.checkpoint_dtype)
+    return frozen_dtype_of(recipe)
 
 
 def _quantized_bytes(n: int, recipe: Recipe) -> float:
@@ -390,8 +420,10 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
             layer += a * _distinct_inputs(in_layer)
     elif autocast or adapter.dropout > 0 or resid != 4:
         # peft casts the input to fp32 (then autocast to 16 bit) or drops it out: a copy per module;
-        # dropout also keeps its mask: bool on CUDA, a float noise tensor on CPU.
-        mask = (1 if on_gpu else 4) if adapter.dropout > 0 else 0
+        # dropout also keeps its mask: bool on CUDA, on a CPU a float noise tensor, or with the fast paths the
+        # int64 positions it dropped (fastpath.lora_fast_paths swaps the dropout of 4/8-bit layers as well)
+        sparse = train.fast_paths and method != "dora"
+        mask = 0 if adapter.dropout == 0 else 1 if on_gpu else 8 * adapter.dropout if sparse else 4
         layer += sum(lin.in_features for lin in in_layer) * (lora + mask)
     else:
         layer += 4 * _distinct_inputs(in_layer)
@@ -416,7 +448,13 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     if chunked_loss(recipe, info):
         from .lm_loss import CHUNK_ELEMENTS
 
-        head_copy = 2 * info.vocab * h if frozen_dtype_of(recipe) == "float32" else 0
+        # the head cast to the dtype its matmul runs in, when that is not the dtype it is kept in
+        head_dtype = vocabulary_dtype(recipe, info)
+        matmul_dtype = ("float16" if train.mixed_precision == "fp16" else "bfloat16") if autocast else \
+            frozen_dtype_of(recipe)
+        head_copy = DTYPE_BYTES[matmul_dtype] * info.vocab * h if matmul_dtype != head_dtype else 0
+        if matmul_dtype == "float32" and head_dtype != "float32":  # cast a slice at a time (lm_loss)
+            head_copy = 4 * min(info.vocab * h, CHUNK_ELEMENTS)
         chunk = min(tokens * info.vocab, CHUNK_ELEMENTS)
         loss = max(tokens * 3 * resid * h + 3 * 4 * chunk + head_copy, tokens * one_layer)
     copies = 0.0

@@ -68,6 +68,9 @@ class ModelInfo:
     checkpoint_bytes: int | None  # size of the local weight files, when there are any
     context: int | None = None  # the longest sequence its positions cover (max_position_embeddings)
     flex_attention: bool = True  # whether its transformers class runs FlexAttention
+    # loading reads the checkpoint a tensor at a time instead of mapping it (models.read_without_mapping)
+    read_without_mapping: bool = False
+    tied_embeddings: bool = False  # the head is the input embeddings' matrix (counted once in params)
 
     @property
     def linear_params(self) -> int:
@@ -98,6 +101,19 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
         raise ModelError(f"model.path: no config for '{path}' offline and the hub did not answer ({err}); "
                          f"shipped configs: {known}") from None
     return config, "hub", None
+
+
+def checkpoint_files(folder: Path) -> list[Path] | None:
+    """The safetensors files of a model folder, from its shard index or its single file; None if neither."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in shards]
+        return files if all(f.is_file() for f in files) else None
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else None
 
 
 @lru_cache(maxsize=32)
@@ -139,6 +155,8 @@ def describe_model(path: str, revision: str | None = None, trust_remote_code: bo
         checkpoint_bytes=sum(f.stat().st_size for f in weight_files) if weight_files else None,
         context=getattr(text, "max_position_embeddings", None),
         flex_attention=bool(getattr(type(model), "_supports_flex_attn", False)),
+        read_without_mapping=bool(folder and not trust_remote_code and checkpoint_files(folder)),
+        tied_embeddings=output is not None and output.weight is model.get_input_embeddings().weight,
     )
 
 
