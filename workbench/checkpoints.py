@@ -185,8 +185,13 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
-    weights = get_model_state_dict(unwrapped, options=options)
-    moments = get_optimizer_state_dict(unwrapped, _torch_optimizer(optimizer), options=options)["state"]
+    if _sharded(unwrapped):  # FSDP2: the full tensors, gathered (collectives: every rank)
+        weights = get_model_state_dict(unwrapped, options=options)
+        moments = get_optimizer_state_dict(unwrapped, _torch_optimizer(optimizer), options=options)["state"]
+    else:  # whole on every rank; 8-bit layers' extra state keys (SCB) would trip torch's state-dict walk
+        state = _torch_optimizer(optimizer).state
+        weights = dict(named)
+        moments = {name: state[p] for name, p in named if state.get(p)}
     if not accelerator.is_main_process:
         return None
     trainable = {name for name, _ in named}
@@ -197,6 +202,13 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
         for key in MOMENTS:
             tensors[f"{key}/{name}"] = state[key].detach().float().cpu().contiguous()
     return tensors
+
+
+def _sharded(model) -> bool:
+    """Whether FSDP2 shards the model's parameters (DTensors) in this process."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _load_portable(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, micro_batch: int) -> None:

@@ -281,7 +281,8 @@ def loading_transient_bytes(recipe: Recipe, info: ModelInfo, method: str) -> int
         # and a 16-bit vocabulary is loaded in the model dtype before it is cast down (prepare_quantized)
         narrowed = vocabulary_params(info) * (DTYPE_BYTES[frozen_dtype_of(recipe)] -
                                               DTYPE_BYTES[vocabulary_dtype(recipe, info)])
-        return info.vocab * info.hidden * checkpoint_dtype_bytes + narrowed
+        read = DTYPE_BYTES.get(info.vocabulary_stored_dtype or info.checkpoint_dtype, 2)
+        return info.vocab * info.hidden * read + narrowed
     checkpoint = info.checkpoint_bytes or info.params * checkpoint_dtype_bytes
     same = info.checkpoint_dtype == recipe.model.dtype and method != "qlora"
     return 0 if same else checkpoint
@@ -362,7 +363,7 @@ def vocabulary_dtype(recipe: Recipe, info: ModelInfo) -> str:
     """What the run keeps its embeddings and head in (models.prepare_quantized: only where the loss stands in
     for the head)."""
     if chunked_loss(recipe, info):
-        return vocabulary_dtype_of(recipe, info.checkpoint_dtype)
+        return vocabulary_dtype_of(recipe, info.vocabulary_stored_dtype)
     return frozen_dtype_of(recipe)
 
 

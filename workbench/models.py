@@ -117,13 +117,23 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         return None
+    from safetensors import SafetensorError
+
+    handles = []
     try:
-        handles = [safe_open(file, framework="pt", device="cpu", backend="pread") for file in files]
-    except TypeError:  # a safetensors without plain reads
-        return None
-    try:
+        for file in files:
+            try:
+                handles.append(safe_open(file, framework="pt", device="cpu", backend="pread"))
+            except TypeError:  # a safetensors without plain reads
+                return None
+            except (SafetensorError, OSError) as err:
+                raise ModelError(f"model.path: {file} is not a readable safetensors file ({err})") from None
         weights = {name: handle.get_slice(name) for handle in handles for name in handle.keys()}
-        model = model_class.from_pretrained(None, config=config, state_dict=weights, **kwargs)
+        try:
+            model = model_class.from_pretrained(None, config=config, state_dict=weights, **kwargs)
+        except (SafetensorError, OSError) as err:
+            names = ", ".join(str(f) for f in files)
+            raise ModelError(f"model.path: reading the weights failed ({err}) in {names}") from None
     finally:
         for handle in handles:
             handle.__exit__(None, None, None)
@@ -222,7 +232,7 @@ def prepare_quantized(model, recipe: Recipe) -> None:
         if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
             param.data = param.data.to(torch.float32)
     published = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
-    vocabulary = vocabulary_dtype_of(recipe, published.checkpoint_dtype)
+    vocabulary = vocabulary_dtype_of(recipe, published.vocabulary_stored_dtype)
     if vocabulary != "float32" and chunked_loss(recipe, published):  # not with LoRA on the head
         keep_vocabulary_16bit(model, DTYPES[vocabulary])
 
@@ -236,7 +246,7 @@ def keep_vocabulary_16bit(model, dtype: torch.dtype) -> bool:
     from .lm_loss import plain_head
 
     embeddings, head = model.get_input_embeddings(), plain_head(model)
-    if head is None or not isinstance(embeddings, torch.nn.Embedding):
+    if head is None or type(embeddings) is not torch.nn.Embedding:  # not a subclass that scales in its dtype
         return False
     compute = embeddings.weight.dtype
     for module in {id(m): m for m in (embeddings, head[1])}.values():

@@ -228,20 +228,21 @@ def frozen_dtype_of(recipe: "Recipe") -> str:
     return recipe.model.dtype
 
 
-def vocabulary_dtype_of(recipe: "Recipe", checkpoint_dtype: str) -> str:
+def vocabulary_dtype_of(recipe: "Recipe", stored_dtype: str | None) -> str:
     """The dtype a run keeps its frozen input embeddings (and head) in. As frozen_dtype_of, except where a QLoRA
     model computes in float32 (a CPU without native bf16): then a 16-bit checkpoint's vocabulary stays 16-bit,
     as published. Its lookups are cast up (exact) and the chunked loss casts the head a slice of the vocabulary
     at a time (lm_loss), so the largest frozen tensors of a Llama 3 model take half the memory (0.5 GB of
     bench:llama3-1b's 1.8 GB) and compute exactly what they did. Only where that loss stands in for the head:
-    SFT with the fast paths, and 4-bit storage in uint8 (no sharded layout)."""
+    SFT with the fast paths, and 4-bit storage in uint8 (no sharded layout). `stored_dtype`: what the local
+    checkpoint files hold the vocabulary in (model_configs.stored_vocabulary_dtype), None when unknown."""
     frozen = frozen_dtype_of(recipe)
     quantization = recipe.quantization
     if (recipe.adapter.method == "qlora" and quantization is not None and not quantization.upcast_frozen
             and quantization.quant_storage == "uint8" and frozen == "float32"
-            and checkpoint_dtype in ("bfloat16", "float16") and recipe.training.fast_paths
+            and stored_dtype in ("bfloat16", "float16") and recipe.training.fast_paths
             and recipe.training.objective == "sft"):
-        return checkpoint_dtype
+        return stored_dtype
     return frozen
 
 

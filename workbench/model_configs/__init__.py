@@ -71,6 +71,7 @@ class ModelInfo:
     # loading reads the checkpoint a tensor at a time instead of mapping it (models.read_without_mapping)
     read_without_mapping: bool = False
     tied_embeddings: bool = False  # the head is the input embeddings' matrix (counted once in params)
+    vocabulary_stored_dtype: str | None = None  # what the local files hold the embeddings in (their headers)
 
     @property
     def linear_params(self) -> int:
@@ -104,16 +105,51 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
 
 
 def checkpoint_files(folder: Path) -> list[Path] | None:
-    """The safetensors files of a model folder, from its shard index or its single file; None if neither."""
+    """The safetensors files of a model folder, chosen as transformers chooses them (a single `model.safetensors`
+    first, else the shards its index names); None if there are none. ModelError names an index that is not
+    valid JSON, lacks its weight map, names a shard that is missing or one outside the folder."""
     import json
 
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in shards]
-        return files if all(f.is_file() for f in files) else None
     single = folder / "model.safetensors"
-    return [single] if single.is_file() else None
+    if single.is_file():
+        return [single]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ModelError(f"model.path: {index} is not a shard index ({type(err).__name__}: {err})") from None
+    inside = folder.resolve()
+    files = []
+    for name in shards:
+        file = (folder / str(name)).resolve()
+        if not file.is_relative_to(inside):
+            raise ModelError(f"model.path: {index} names a shard outside the model folder: {name}")
+        if not file.is_file():
+            raise ModelError(f"model.path: {index} names a shard that is missing: {name}")
+        files.append(file)
+    return files
+
+
+def stored_vocabulary_dtype(files: list[Path] | None, vocab: int, hidden: int) -> str | None:
+    """The dtype the checkpoint stores its (vocab x hidden) matrices in, read from the safetensors headers (the
+    config's dtype can be missing or wrong); None without local files or such a tensor."""
+    import json
+    import struct
+
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+    for file in files or []:
+        try:
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(min(length, 100 << 20)))
+        except (OSError, ValueError, struct.error):
+            raise ModelError(f"model.path: {file} is not a readable safetensors file") from None
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict) and entry.get("shape") == [vocab, hidden]:
+                return names.get(entry.get("dtype"))
+    return None
 
 
 @lru_cache(maxsize=32)
@@ -138,6 +174,7 @@ def describe_model(path: str, revision: str | None = None, trust_remote_code: bo
                   if "norm" in type(m).__name__.lower() and getattr(m, "weight", None) is not None)
     heads = text.num_attention_heads
     weight_files = [*folder.glob("*.safetensors"), *folder.glob("*.bin")] if folder else []
+    files = checkpoint_files(folder) if folder else None
     return ModelInfo(
         name=path, source=source,
         params=sum(p.numel() for p in model.parameters()),
@@ -155,8 +192,9 @@ def describe_model(path: str, revision: str | None = None, trust_remote_code: bo
         checkpoint_bytes=sum(f.stat().st_size for f in weight_files) if weight_files else None,
         context=getattr(text, "max_position_embeddings", None),
         flex_attention=bool(getattr(type(model), "_supports_flex_attn", False)),
-        read_without_mapping=bool(folder and not trust_remote_code and checkpoint_files(folder)),
+        read_without_mapping=bool(files and not trust_remote_code),
         tied_embeddings=output is not None and output.weight is model.get_input_embeddings().weight,
+        vocabulary_stored_dtype=stored_vocabulary_dtype(files, text.vocab_size, text.hidden_size),
     )
 
 
