@@ -7,9 +7,9 @@ maps every block of at least LARGE_BLOCK on its own and unmaps it when freed.
 
 Measured with `python bench/methods.py --model bench:llama3-1b --steps 2 --batch 1 --seq 512
 --only lora,qlora-nf4` (float32 on a 2-core AVX2 CPU): glibc's own threshold 10,588 MB LoRA and 9,441 MB
-QLoRA; 4 MiB 8,341 and 5,998 MB; 1 MiB (now) see docs/estimator.md. At 4 MiB a row of 497 tokens of a
-2,048-wide model (4,071,424 bytes a hidden state) stayed in the heap, and a QLoRA run held 2.1 GB of freed
-blocks from one step to the next; tokens/s did not change.
+QLoRA; 4 MiB 8,341 and 5,998 MB; 1 MiB (now) 7,395 MB for LoRA (README, Benchmarks). At 4 MiB a row of
+497 tokens of a 2,048-wide model (4,071,424 bytes a hidden state) stayed in the heap, and a QLoRA run held
+2.1 GB of freed blocks from one step to the next; tokens/s did not change.
 
 The command line sets it for the processes that train (`workbench train`, and each rank of `workbench
 launch`): it is the process's allocator, not a library's to change. In a notebook, call

@@ -186,7 +186,8 @@ def _sliced_vocabulary(hidden, weight, targets, valid, needs_hidden: bool):
             logits = h @ w.t()
             local = targets - start
             inside = (local >= 0) & (local < w.shape[0])
-            target_logits += torch.where(inside, logits.gather(1, local.clamp(0, w.shape[0] - 1)[:, None]).squeeze(1), 0.0)
+            picked = logits.gather(1, local.clamp(0, w.shape[0] - 1)[:, None]).squeeze(1)
+            target_logits += torch.where(inside, picked, 0.0)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
             rescale = torch.exp(running_max - new_max)
             probs = logits.sub_(new_max[:, None]).exp_()
