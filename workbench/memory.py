@@ -360,8 +360,8 @@ def vocabulary_params(info: ModelInfo) -> int:
 
 
 def vocabulary_dtype(recipe: Recipe, info: ModelInfo) -> str:
-    """What the run keeps its embeddings and head in (models.prepare_quantized: only where the loss stands in
-    for the head)."""
+    """What the run keeps its embeddings and head in (models.prepare_quantized applies it): only where the
+    chunked loss stands in for the head (not with LoRA on the head)."""
     if chunked_loss(recipe, info):
         return vocabulary_dtype_of(recipe, info.vocabulary_stored_dtype)
     return frozen_dtype_of(recipe)

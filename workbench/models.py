@@ -102,7 +102,7 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     1.24B model (2.5 GB in bf16) peaked at 4.4 GB for 1.8 GB of 4-bit weights. Read this way it holds one
     tensor of the file at a time (2.1 GB; a float32 LoRA load: 7.4 -> 5.1 GB). Same weights, same code path in
     transformers (its documented `state_dict` argument), bit-identical logits."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, GenerationConfig
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -117,8 +117,6 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         return None
-    from safetensors import SafetensorError
-
     handles = []
     try:
         for file in files:
@@ -220,9 +218,9 @@ def prepare_quantized(model, recipe: Recipe) -> None:
     to float32: for a 128k vocabulary that is 2 GiB more for the embeddings and head of an 8B model, and the
     residual stream in float32 besides. (Non-reentrant gradient checkpointing, enabled above, needs no
     input-gradient hooks.)"""
-    from .memory import chunked_loss
+    from .memory import vocabulary_dtype
     from .model_configs import describe_model
-    from .precision import concrete, frozen_dtype_of, vocabulary_dtype_of
+    from .precision import concrete, frozen_dtype_of
 
     recipe = concrete(recipe)
     model.requires_grad_(False)
@@ -231,9 +229,9 @@ def prepare_quantized(model, recipe: Recipe) -> None:
     for param in model.parameters():  # 4-bit weights stored as bfloat16 (quant_storage) stay packed
         if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
             param.data = param.data.to(torch.float32)
-    published = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
-    vocabulary = vocabulary_dtype_of(recipe, published.vocabulary_stored_dtype)
-    if vocabulary != "float32" and chunked_loss(recipe, published):  # not with LoRA on the head
+    vocabulary = vocabulary_dtype(recipe, describe_model(recipe.model.path, recipe.model.revision,
+                                                         recipe.model.trust_remote_code))
+    if vocabulary != "float32":
         keep_vocabulary_16bit(model, DTYPES[vocabulary])
 
 
