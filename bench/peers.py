@@ -53,9 +53,12 @@ TRL's settings for the DPO job, its fastest documented ones on a CPU (measured o
     there is nothing to group), so random sampling;
   - its fused LM head (log-probabilities in chunks, no full logits) is TRL's default, kept.
 The workbench runs the same layout by default: `micro_batch_size` 1 x `grad_accum` 4, a pair per row (chosen
-then rejected, positions restarting, per-sample attention), the same optimizer steps over the same pairs as
-TRL's (51 / 49 / 3151 in the measurement above; 4 pairs per forward: 82 / 80 / 7861). `--wb-packed` packs
-pairs into rows of 2 x max_seq_len instead (47 / 45 / 3903, 6 steps: the same pairs per step only on average).
+then rejected, per-sample attention), the same optimizer steps over the same pairs as TRL's (51 / 49 / 3151 in
+the measurement above; 4 pairs per forward: 82 / 80 / 7861). `--wb-packed` packs pairs into rows of
+2 x max_seq_len instead (47 / 45 / 3903, 6 steps: the same pairs per step only on average). Those figures
+predate shared prompts: on a CPU the workbench's pair holds its prompt once (the rejected answer continues it),
+15,659 of the smollm2 job's 20,441 tokens; the tokens column counts both whole sequences for both tools, and
+MFU counts the FLOPs each tool's loop computed.
 """
 
 from __future__ import annotations

@@ -333,14 +333,15 @@ def conversational_pair(row: dict) -> dict:
             "rejected": [{"role": "assistant", "content": row["rejected"]}]}
 
 
-def reference_pairs(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
+def reference_pairs(spec: dict, rows: list[dict], tokenizer, share_prompt: bool = False) -> list[dict]:
     """Pairs tokenized one way for every tool (the workbench's: chat template, loss on the answers, each sequence
-    truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second."""
+    truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second
+    (share_prompt: the rejected answer continuing the prompt, as the workbench trains on a CPU)."""
     from workbench.data import tokenize_row
     from workbench.recipe import DataSection
 
     cfg = DataSection(train="unused", format="preference", max_seq_len=spec["max_seq_len"], train_on="completions")
-    return [tokenize_row(row, tokenizer, cfg, f"row {i}") for i, row in enumerate(rows)]
+    return [tokenize_row(row, tokenizer, cfg, f"row {i}", share_prompt) for i, row in enumerate(rows)]
 
 
 def pair_lengths(pairs: list[dict]) -> list[int]:
@@ -394,16 +395,19 @@ def last_steps_mean(losses: list[float], last: int = 10) -> float | None:
 
 
 def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, steps: int, pairs: int, model,
-               lengths: list[int], settings: str, step_losses: list[float], reference_in_loop: bool = True) -> dict:
-    """What both tools report for the DPO job, the held-out figures computed the same way for both."""
+               lengths: list[int], settings: str, step_losses: list[float], reference_in_loop: bool = True,
+               computed: tuple[int, int] | None = None) -> dict:
+    """What both tools report for the DPO job, the held-out figures computed the same way for both. FLOPs (for
+    MFU): over the two whole sequences of each pair, or `computed` (tokens, attended positions) where a tool
+    computes fewer (the workbench's shared prompts)."""
     from workbench.metrics import FlopCounter
 
     tokenizer = load_tokenizer(spec)
     held_out = [p for p in reference_pairs(spec, read_rows(spec["eval"]), tokenizer) if p["targets"]]  # scorable
     figures = eval_dpo(model, held_out, spec)
     counter = FlopCounter(model, model.config)
-    flops = counter.step_flops(sum(lengths), sum(n * (n + 1) // 2 for n in lengths),
-                               reference_forward=reference_in_loop)
+    computed = computed or (sum(lengths), sum(n * (n + 1) // 2 for n in lengths))
+    flops = counter.step_flops(*computed, reference_forward=reference_in_loop)
     return {"tool": tool, "settings": settings, **clock, "loop_s": round(loop_s, 2), "tokens": tokens,
             "steps": steps, "pairs": pairs, "flops": flops, **figures,
             "train_loss": last_steps_mean(step_losses), "threads": torch.get_num_threads()}
@@ -420,19 +424,26 @@ def run_workbench_dpo(spec: dict) -> dict:
     model = PeftModel.from_pretrained(load_model(spec), str(Path(result.run_dir) / "adapter"))
     tokenizer = load_tokenizer(spec)
     lengths = pair_lengths([p for p in reference_pairs(spec, read_rows(spec["train"]), tokenizer) if p["targets"]])
+    computed = None
+    if summary.get("shared_prompts"):  # what the loop computed: each pair's prompt once
+        shared = [p for p in reference_pairs(spec, read_rows(spec["train"]), tokenizer, True) if p["targets"]]
+        computed = (sum(len(p["input_ids"]) for p in shared), sum(q + 1 for p in shared for q in p["position_ids"]))
     packing = recipe.data.packing
     batching = (f"packing: true (best-fit, a pair stays whole), {spec['packs_per_step']} packs of 2 x "
                 f"{spec['max_seq_len']} per step" if packing else
                 f"packing: false, micro_batch_size={recipe.training.micro_batch_size} x grad_accum="
                 f"{recipe.training.grad_accum} = {spec['batch']} pairs per step (a pair is one row: chosen then rejected, "
-                "block-diagonal attention)")
+                "each attending to its own sequence only)")
     settings = SETTINGS["workbench-dpo"].format(beta=spec["beta"], batching=batching)
     if spec.get("workbench_training"):
         settings += f", {spec['workbench_training']}"
     settings += ", training.fast_paths=false" if baseline else ", training.fast_paths=true (the default)"
+    if computed:
+        settings += f" (each pair's prompt computed once: {computed[0]} of {sum(lengths)} tokens)"
     pairs = summary["train_samples"] - summary.get("train_empty", 0)
-    report = finish_dpo(spec, spec["tool"], clock, summary["train_s"], summary["tokens"], summary["steps"], pairs,
-                        model, lengths, settings, step_losses)
+    # tokens: the pairs' whole sequences, as for TRL (the loop itself computed `computed[0]` of them)
+    report = finish_dpo(spec, spec["tool"], clock, summary["train_s"], sum(lengths), summary["steps"], pairs,
+                        model, lengths, settings, step_losses, computed=computed)
     report["own_mfu"] = summary["mfu"]
     report["startup_s"], report["finish_s"] = summary.get("startup_s"), summary.get("finish_s")
     return report

@@ -12,8 +12,8 @@ from workbench.data import IGNORE, Collator
 from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
 from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                 plain_head)
-from workbench.packed_attention import (FORCE_ENV, AttentionCosts, PerSampleAttention, _costs, attention_costs,
-                                        choose_path, sample_spans)
+from workbench.packed_attention import (FORCE_ENV, AttentionCosts, PerSampleAttention, Span, _costs, _mask_of,
+                                        attention_costs, choose_path, sample_spans)
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
@@ -163,7 +163,52 @@ def test_per_sample_attention_backward_with_mixed_dtypes():
 
 def test_sample_spans_start_wherever_positions_do_not_continue():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
-    assert sample_spans(positions, 2) == [[(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 6)]]
+    assert sample_spans(positions, 2) == [[Span(0, 3), Span(3, 5), Span(5, 6)], [Span(0, 2), Span(2, 6)]]
+
+
+def test_a_sample_continuing_a_prompt_attends_to_it():
+    """[prompt + chosen][rejected, positions continuing the prompt]: the second span sees the first's first tokens.
+    A span with no sample before it that started at 0, or one too short, stands alone."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 2, 3, 0, 1, 1, 5, 6]])
+    assert sample_spans(positions, 1) == [[Span(0, 5), Span(5, 7, prefix=2, root=0), Span(7, 9),
+                                           Span(9, 10, prefix=1, root=7), Span(10, 12)]]
+    assert sample_spans(torch.tensor([[2, 3, 0, 1]]), 1) == [[Span(0, 2), Span(2, 4)]]
+
+
+@pytest.mark.parametrize("path", ["per_sample", "masked"])
+def test_shared_prompt_attention_equals_attention_over_the_whole_sequence(path):
+    """The rejected answer continuing a shared prompt gets exactly what it would as [prompt + rejected] on its own:
+    outputs and the gradients of q, k and v (the prompt's keys and values get both answers' gradients)."""
+    torch.manual_seed(0)
+    prompt, chosen, rejected = 9, 6, 4
+    positions = torch.tensor([list(range(prompt + chosen)) + list(range(prompt - 1, prompt - 1 + rejected))])
+    length = positions.shape[1]
+    q = torch.randn(1, 4, length, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, length, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, 4, length, 8, dtype=torch.float64)
+    spans = sample_spans(positions, 1)
+    if path == "per_sample":
+        got = PerSampleAttention.apply(q, k, v, spans, 8 ** -0.5)
+    else:
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_of(positions, spans, length), enable_gqa=True)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+
+    # the reference: two whole causal sequences, [prompt + chosen] and [prompt - 1 tokens + rejected]
+    whole = [list(range(prompt + chosen)), list(range(prompt - 1)) + list(range(prompt + chosen, length))]
+    expected = torch.zeros_like(got)
+    expected_grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for index, own in zip(whole, (slice(0, prompt + chosen), slice(prompt + chosen, length))):
+        qs, ks, vs = (t[:, :, index] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        expected[:, :, own] = out[:, :, -(own.stop - own.start):].detach()
+        # the gradient of the answer's own outputs only: each output position counts once
+        weight = torch.zeros_like(out)
+        weight[:, :, -(own.stop - own.start):] = grad_out[:, :, own]
+        for total, piece in zip(expected_grads, torch.autograd.grad(out, (q, k, v), weight)):
+            total += piece  # gradients of the whole q, k and v, zero outside this sequence
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)  # the backward's scores are float32
 
 
 @pytest.mark.parametrize("path", ["per_sample", "masked"])
@@ -269,14 +314,17 @@ def test_lora_fast_paths_leave_dora_alone(tiny_path):
 def test_the_cost_model_picks_masked_rows_of_many_short_samples_and_per_sample_otherwise(monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)
     costs = AttentionCosts(per_call=2e-3, per_score=2e-7, masked_call=1e-4, masked_score=2e-7)
-    many_short = [[(i * 25, (i + 1) * 25) for i in range(10)]]  # ten 25-token samples in a 256-token row
-    few_long = [[(0, 128), (128, 256)]]
+    many_short = [[Span(i * 25, (i + 1) * 25) for i in range(10)]]  # ten 25-token samples in a 256-token row
+    few_long = [[Span(0, 128), Span(128, 256)]]
     assert costs.per_sample(many_short) > costs.masked(1, 256)
     assert costs.per_sample(few_long) < costs.masked(1, 256)
     q, k = torch.zeros(1, 4, 256, 8), torch.zeros(1, 2, 256, 8)
     monkeypatch.setitem(_costs, (4, 2, 8, str(torch.float32), torch.get_num_threads()), costs)
     assert choose_path(many_short, q, k) == "masked" and choose_path(few_long, q, k) == "per_sample"
-    assert choose_path([[(0, 256)]], q, k) == "per_sample"  # one sample per row: no mask at all
+    assert choose_path([[Span(0, 256)]], q, k) == "per_sample"  # one sample per row: no mask at all
+    # an answer continuing a shared prompt pays for its (answer × prompt) scores as well
+    assert costs.per_sample([[Span(0, 128), Span(128, 192, prefix=100)]]) > costs.per_sample([[Span(0, 128),
+                                                                                                Span(128, 192)]])
 
 
 def test_the_cost_model_is_measured_on_this_machine_and_cached(monkeypatch, tmp_path):

@@ -390,3 +390,38 @@ def test_chunked_logps_have_full_logits_gradients(setup, monkeypatch):
     assert torch.equal(tokens, reference_tokens), "target counts per sample"
     close(sums, reference_sums, "chunked log-probs (64-row chunks)")
     grads_close(chunked, full, "chunked vs full-logits gradients (64-row chunks)")
+
+
+def test_a_shared_prompt_gives_the_same_log_probabilities_and_gradients(setup):
+    """Each pair holding its prompt once (the rejected answer continuing it, per-sample attention) scores every
+    answer as the pair of whole sequences does under transformers' own sdpa path, with the same LoRA gradients,
+    in fewer tokens; all pairs packed in one row and right-padded rows of one pair alike."""
+    from workbench.packed_attention import use_packed_attention
+
+    model, cfg = setup.model, setup.recipe.data
+    rows = [json.loads(line) for line in (ROOT / "recipes/data/preference_train.jsonl").read_text().splitlines()[:8]]
+    layouts = {share: [tokenize_row(row, setup.tokenizer, cfg, f"preference_train.jsonl:{i + 1}", share_prompt=share)
+                       for i, row in enumerate(rows)] for share in (False, True)}
+    weights = torch.randn(2 * len(rows), generator=torch.Generator().manual_seed(3))
+
+    def scored(examples, packed):
+        batch = workbench_batch(examples, "packed" if packed else "pair_per_row", setup.tokenizer.pad_token_id)
+        model.zero_grad(set_to_none=True)
+        sums, tokens = sample_logps(model, batch)
+        (weights * sums).sum().backward()
+        return batch, sums, tokens, lora_grads(model)
+
+    try:
+        for packed in (True, False):
+            whole_batch, *whole = scored(layouts[False], packed)  # transformers' sdpa, a block-diagonal mask
+            assert use_packed_attention(model)
+            shared_batch, *shared = scored(layouts[True], packed)
+            model.set_attn_implementation("sdpa")
+            what = "packed rows" if packed else "a pair per row"
+            assert shared_batch["num_samples"] == whole_batch["num_samples"] == 2 * len(rows)
+            assert shared_batch["num_tokens"] < 0.85 * whole_batch["num_tokens"], what
+            assert torch.equal(shared[1], whole[1]), f"{what}: target tokens per sample"
+            close(shared[0], whole[0], f"{what}: log-probs with a shared prompt")
+            grads_close(shared[2], whole[2], f"{what}: gradients with a shared prompt")
+    finally:
+        model.set_attn_implementation("sdpa")

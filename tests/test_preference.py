@@ -2,6 +2,7 @@
 DPO and ORPO runs whose margins grow, resume, the estimator and `workbench evaluate` on held-out pairs.
 (Agreement with TRL's losses: tests/test_objectives.py; every distributed layout: tests/test_strategy_matrix.py.)"""
 
+import importlib
 import json
 import shutil
 import typing
@@ -9,8 +10,8 @@ import typing
 import pytest
 import torch
 
-from workbench import DataError, Recipe, RecipeError
-from workbench.data import IGNORE, Collator, pack, prepare_data, tokenize_row
+from workbench import DataError, Recipe, RecipeError, WorkbenchError
+from workbench.data import IGNORE, Collator, count_samples, pack, prepare_data, tokenize_row
 from workbench.formats import FORMAT_NAMES, FORMATS, detect, format_of
 from workbench.objectives import counts, sample_index
 from workbench.recipe import DataSection
@@ -167,6 +168,30 @@ def test_packing_keeps_pairs_whole_and_in_order(tmp_path, tiny_tokenizer, monkey
     assert int(c[1]) == batch["num_samples"] // 2 and 0 < int(c[2]) < int(c[0])
 
 
+def test_a_pair_can_hold_its_prompt_once(tiny_tokenizer):
+    """[prompt but its last token][last prompt token + chosen][last prompt token + rejected]: the same targets as
+    two whole samples, the rejected answer's positions continuing the prompt; nothing to share when the prompt
+    carries targets (train_on: all)."""
+    whole = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1")
+    shared = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1", share_prompt=True)
+    chosen_len = whole["position_ids"].index(0, 1)
+    prompt_len = next(i for i, label in enumerate(whole["labels"]) if label != IGNORE)
+    assert shared["input_ids"] == whole["input_ids"][:chosen_len] + whole["input_ids"][chosen_len + prompt_len - 1:]
+    assert shared["position_ids"] == list(range(chosen_len)) + list(range(prompt_len - 1, len(whole["input_ids"])
+                                                                              - chosen_len))
+    assert shared["targets"] == whole["targets"] > 0 and count_samples(shared["position_ids"]) == 2
+
+    def targets_by_sample(example):
+        batch = Collator(tiny_tokenizer.pad_token_id)([example])
+        index, labels = sample_index(batch["position_ids"]), batch["labels"].flatten()
+        return [labels[(index == k) & (labels != IGNORE)].tolist() for k in range(batch["num_samples"])]
+
+    assert targets_by_sample(shared) == targets_by_sample(whole)  # each answer predicted from the same tokens
+    everything = cfg(train_on="all")
+    assert tokenize_row(PAIR, tiny_tokenizer, everything, "x:1", share_prompt=True) == tokenize_row(
+        PAIR, tiny_tokenizer, everything, "x:1")
+
+
 def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
     long = {**PAIR, "prompt": "word " * 200}
@@ -249,6 +274,47 @@ def test_the_margin_grows_on_the_shipped_recipe(objective, tmp_path):
     assert {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
             "logps_rejected"} <= set(train_rows[-1])
     assert result.summary["eval_reward_margin_final"] == last["eval_reward_margin"]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_sharing_the_prompt_trains_as_whole_sequences_do(objective, tmp_path, monkeypatch):
+    """The loop's default on a CPU (each pair holds its prompt once) against the pairs as two whole sequences:
+    the same losses, rewards and held-out figures, step by step."""
+    training = importlib.import_module("workbench.train")  # the module (workbench.train is also the function)
+    steps = ["data.packing=false", "training.max_steps=4", "output.log_every=1", "output.eval_every=4",
+             "output.save_every=null"]
+    shared = preference_run(tmp_path / "shared", objective, *steps)
+    monkeypatch.setattr(training, "shares_prompts", lambda *_: False)
+    whole = preference_run(tmp_path / "whole", objective, *steps)
+    assert shared.summary["shared_prompts"] is True and whole.summary["shared_prompts"] is False
+    assert shared.summary["tokens"] < 0.9 * whole.summary["tokens"]
+    keys = ("loss", "reward_margin", "logps_chosen", "logps_rejected", "eval_loss", "eval_reward_margin")
+    figures = [{k: r[k] for k in keys if r.get(k) is not None} for r in rows_of(shared.run_dir)]
+    expected = [{k: r[k] for k in keys if r.get(k) is not None} for r in rows_of(whole.run_dir)]
+    assert len(figures) == len(expected) == 6 and sum(len(f) for f in figures) >= 20
+    for got, want in zip(figures, expected):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
+    """Rows (and so what a checkpoint counted) depend on the layout: a run started with whole pairs resumes with
+    whole pairs; one started with shared prompts cannot resume where attention cannot read them."""
+    from workbench.attention import Attention
+    from workbench.train import prompt_sharing
+
+    recipe = Recipe.load("recipes/tiny-dpo.yaml")
+    cpu, gpu = Attention("sdpa", "per_sample", "cpu"), Attention("flex_attention", "document_mask", "gpu")
+    run = RunDir(tmp_path / "run")
+    assert prompt_sharing(recipe, cpu, run, resume=False) and not prompt_sharing(recipe, gpu, run, resume=False)
+    assert prompt_sharing(recipe, cpu, run, resume=True)  # nothing recorded yet: as a new run
+    run.path.mkdir()
+    run.update_json(summary={"train_sha256": "0" * 64})  # started before pairs could share a prompt
+    assert not prompt_sharing(recipe, cpu, run, resume=True)
+    run.update_json(summary={"shared_prompts": True})
+    assert prompt_sharing(recipe, cpu, run, resume=True)
+    with pytest.raises(WorkbenchError, match="hold their prompt once.*flex_attention"):
+        prompt_sharing(recipe, gpu, run, resume=True)
+    assert not prompt_sharing(recipe.override("data.format=alpaca", "training.objective=sft"), cpu, run, False)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import RecipeError
+from .formats import format_of
 
 AUTO = "auto"
 FLEX_BLOCK = 128  # FlexAttention's default block size: the document mask has one entry per block pair
@@ -165,6 +166,14 @@ def packed_rows_of(implementation: str, device_kind: str, recipe) -> str:
     if implementation == "sdpa" and device_kind == "cpu" and recipe.training.fast_paths:
         return "per_sample"
     return "dense_mask"
+
+
+def shares_prompts(attention: Attention, recipe) -> bool:
+    """Whether each preference pair holds its prompt once, the rejected answer continuing it (workbench/data.py:
+    shared_prompt_layout), which spares the prompt's second pass through every layer in the policy's forward
+    and backward and the reference's forward. Only the CPU's per-sample attention reads a shared prompt from
+    position_ids; FlexAttention's document mask, flash's varlen and dense masks would cut the answer off it."""
+    return attention.packed_rows == "per_sample" and format_of(recipe.data.format).preference
 
 
 def dense_mask_warning(attention: Attention, device_kind: str) -> str | None:

@@ -296,19 +296,48 @@ def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     return {"input_ids": input_ids, "labels": labels, "truncated": truncated, "targets": targets}
 
 
-def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_prompt: bool = False) -> dict:
     """A row as training sees it. A preference row is one example holding two samples, chosen then rejected,
-    whose positions restart at 0 (so each attends only to itself, as packed samples do)."""
+    whose positions restart at 0 (so each attends only to itself, as packed samples do). share_prompt: the
+    pair keeps one copy of its prompt instead (see shared_prompt_layout), for attention that reads prefixes."""
     fmt = format_of(cfg.format)
     if not fmt.preference:
         return tokenize_segments(_rendered(fmt.segments, row, tokenizer, cfg, where), tokenizer, cfg)
     chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
     # a pair that lost an answer, or whose answers truncation made the same, teaches nothing: left out, counted
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
-    return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
-            "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
-            "truncated": chosen["truncated"] or rejected["truncated"],
+    shared = shared_prompt_length(chosen, rejected) if share_prompt else 0
+    if shared > 1:
+        layout = shared_prompt_layout(chosen, rejected, shared)
+    else:
+        layout = {"input_ids": chosen["input_ids"] + rejected["input_ids"],
+                  "labels": chosen["labels"] + rejected["labels"],
+                  "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"])))}
+    return {**layout, "truncated": chosen["truncated"] or rejected["truncated"],
             "targets": chosen["targets"] + rejected["targets"] if both else 0}
+
+
+def shared_prompt_length(chosen: dict, rejected: dict) -> int:
+    """How many leading tokens the two samples share that carry no target: their common prompt."""
+    shared = 0
+    for a, b, label_a, label_b in zip(chosen["input_ids"], rejected["input_ids"], chosen["labels"],
+                                      rejected["labels"]):
+        if a != b or label_a != IGNORE or label_b != IGNORE:
+            break
+        shared += 1
+    return shared
+
+
+def shared_prompt_layout(chosen: dict, rejected: dict, shared: int) -> dict:
+    """[prompt but its last token][last prompt token + chosen][last prompt token + rejected]: positions run on
+    through the chosen answer and restart at the repeated token for the rejected one, which so continues the
+    prompt (workbench/packed_attention.py reads that). The prompt's last token is in both answers because it
+    predicts the first token of each. The same log-probabilities as two whole samples, with the prompt's work
+    done once."""
+    cut = shared - 1
+    return {"input_ids": chosen["input_ids"] + rejected["input_ids"][cut:],
+            "labels": chosen["labels"] + rejected["labels"][cut:],
+            "position_ids": list(range(len(chosen["input_ids"]))) + list(range(cut, len(rejected["input_ids"])))}
 
 
 def tokenize_pair(row: dict, tokenizer, cfg: DataSection, where: str) -> tuple[dict, dict]:
@@ -345,11 +374,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((body + extra).encode()).hexdigest()
 
 
-def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None):
+def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None, share_prompt: bool = False):
     """Tokenize every row (cached on disk by content, tokenizer and settings)."""
     import datasets
 
-    settings = json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on, cfg.system_prompt, limit])
+    settings = json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on, cfg.system_prompt, limit]
+                          + ([share_prompt] if share_prompt else []))
     key = hashlib.sha256(f"{rows.fingerprint}|{tokenizer_fingerprint(tokenizer)}|{settings}".encode()).hexdigest()
     folder = cache_dir() / "data" / key[:32]
     if (folder / "dataset_info.json").exists():
@@ -359,7 +389,7 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
     if limit is not None:
         source = source.select(range(min(limit, len(source))))
     tokenized = source.map(
-        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i)),
+        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i), share_prompt),
         with_indices=True,
         remove_columns=source.column_names,
         new_fingerprint=key[:32],
@@ -392,16 +422,16 @@ class TokenizedData:
     cached: bool
 
 
-def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0) -> TokenizedData:
+def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> TokenizedData:
     def check(row, where):
         check_row(row, cfg.format, where)
 
     train_rows = load_rows(cfg.train, cfg.split, check)
-    train_tok, cached = tokenize_rows(train_rows, tokenizer, cfg, cfg.limit)
+    train_tok, cached = tokenize_rows(train_rows, tokenizer, cfg, cfg.limit, share_prompts)
     eval_tok, eval_rows = None, None
     if cfg.eval:
         eval_rows = load_rows(cfg.eval, cfg.split, check)
-        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg)
+        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompt=share_prompts)
     elif cfg.eval_split:
         held_out = math.ceil(len(train_tok) * cfg.eval_split)
         if not 0 < held_out < len(train_tok):
@@ -422,11 +452,14 @@ def check_trainable(train_tok, cfg: DataSection) -> None:
         raise DataError(f"{cfg.train}: no training sample has a target token left after truncation")
 
 
-def prepare_data(cfg: DataSection, tokenizer, seed: int = 0) -> PreparedData:
-    tokenized = tokenize_data(cfg, tokenizer, seed)
+def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> PreparedData:
+    """share_prompts: each preference pair holds its prompt once (attention.shares_prompts says when it may)."""
+    tokenized = tokenize_data(cfg, tokenizer, seed, share_prompts)
     train_tok, eval_tok = tokenized.train, tokenized.eval
     stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
              "train_sha256": tokenized.train_rows.fingerprint}
+    if format_of(cfg.format).preference:
+        stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)
     if tokenized.eval_rows is not None:
         stats["eval_sha256"] = tokenized.eval_rows.fingerprint
@@ -529,8 +562,13 @@ class Collator:
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions
         batch["num_attended"] = sum(p + 1 for e in examples for p in e["position_ids"])
-        batch["num_samples"] = sum(1 for e in examples for p in e["position_ids"] if p == 0)
+        batch["num_samples"] = sum(count_samples(e["position_ids"]) for e in examples)
         return batch
+
+
+def count_samples(positions: list[int]) -> int:
+    """Samples start where positions do not continue (at 0, or where an answer continues a shared prompt)."""
+    return sum(1 for i, p in enumerate(positions) if i == 0 or p != positions[i - 1] + 1)
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -11,7 +11,8 @@ Every objective gives the loop the same pieces, so the loop has one path for all
   `report` turns into metrics (`loss`, and for preferences the rewards, their margin and accuracy).
 
 Preference rows hold a pair as two samples of one row (workbench/data.py): sample 2k is the chosen answer,
-2k + 1 the rejected one, whichever row and micro-batch the pair lands in. DPO's reference is the base model
+2k + 1 the rejected one, whichever row and micro-batch the pair lands in (with a shared prompt, sample 2k holds
+the prompt and 2k + 1 continues it: the same log-probabilities). DPO's reference is the base model
 with the adapter switched off: no second copy of the weights.
 
 Definitions (as the papers and TRL's trainers compute them; checked against TRL in tests/test_objectives.py):
@@ -57,8 +58,12 @@ def counts(batch: dict) -> torch.Tensor:
 
 def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
     """For each position (flattened), the batch-wide index of the sample it belongs to: samples start where
-    positions restart at 0 (padding continues the row's last sample and carries no target)."""
-    return (position_ids.flatten() == 0).cumsum(0) - 1
+    positions do not continue, at 0 or where a rejected answer continues its pair's shared prompt (padding
+    continues the row's last sample and carries no target; every row starts at 0)."""
+    flat = position_ids.flatten()
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1] + 1
+    return starts.cumsum(0) - 1
 
 
 # -- the objectives ---------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ the forward through PyTorch's fused CPU kernel (it skips the causal upper half),
 matmuls over each sample's own (n × n) scores, recomputed from q and k as a fused kernel would. The
 work then grows with the sum of the squared sample lengths, not with the square of the row length.
 
+A sample whose positions do not start at 0 continues a prompt it shares with the row's last sample that did
+(a preference pair keeps one copy of its prompt: [prompt, chosen] then [rejected] with positions continuing
+the prompt, see workbench/data.py): it attends to that sample's first tokens as to its own earlier ones.
+
 Per-sample attention pays a fixed cost per sample (a kernel call and its backward), so rows of many very
 short samples can be cheaper as one masked attention over the whole row. A cost model measured on this
 machine (`AttentionCosts`: per-call and per-score costs of both paths, timed once per shape, dtype and
@@ -23,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -97,15 +102,17 @@ class AttentionCosts:
     masked_call: float
     masked_score: float
 
-    def per_sample(self, spans: list[list[tuple[int, int]]]) -> float:
-        lengths = [end - start for row in spans for start, end in row]
-        return len(lengths) * self.per_call + sum(n * n for n in lengths) * self.per_score
+    def per_sample(self, spans: list[list["Span"]]) -> float:
+        calls = sum(len(row) for row in spans)
+        # a shared prompt adds (answer × prompt) scores, all of them computed, against causal n² / 2
+        scores = sum(span.length ** 2 + 2 * span.length * span.prefix for row in spans for span in row)
+        return calls * self.per_call + scores * self.per_score
 
     def masked(self, rows: int, length: int) -> float:
         return rows * (self.masked_call + length * length * self.masked_score)
 
 
-def choose_path(spans: list[list[tuple[int, int]]], query: torch.Tensor, key: torch.Tensor) -> str:
+def choose_path(spans: list[list["Span"]], query: torch.Tensor, key: torch.Tensor) -> str:
     """"per_sample" or "masked": whichever the measured cost model says is cheaper for this batch."""
     forced = os.environ.get(FORCE_ENV, "")
     if forced in ("per_sample", "masked"):
@@ -187,14 +194,35 @@ def block_mask(position_ids: torch.Tensor, spans: list, length: int) -> torch.Te
 def _mask_of(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tensor:
     segment = torch.zeros(len(spans), length, dtype=torch.long)
     for row, row_spans in enumerate(spans):
-        for index, (start, end) in enumerate(row_spans):
-            segment[row, start:end] = index
+        for index, span in enumerate(row_spans):
+            segment[row, span.start:span.end] = index
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None].to(position_ids.device)
+    mask = (segment[:, :, None] == segment[:, None, :]) & causal
+    for row, row_spans in enumerate(spans):
+        for span in row_spans:
+            if span.prefix:
+                mask[row, span.start:span.end, span.root:span.root + span.prefix] = True
+    return mask[:, None].to(position_ids.device)
 
 
-def sample_spans(position_ids: torch.Tensor, batch: int) -> list[list[tuple[int, int]]]:
-    """(start, end) of each sample in each row: a sample starts wherever the position does not continue."""
+class Span(NamedTuple):
+    """One sample of a row: tokens [start, end); a sample continuing a shared prompt also attends to the
+    `prefix` tokens at [root, root + prefix) (its positions start at `prefix`, not 0)."""
+
+    start: int
+    end: int
+    prefix: int = 0
+    root: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def sample_spans(position_ids: torch.Tensor, batch: int) -> list[list[Span]]:
+    """The samples of each row: a sample starts wherever the position does not continue. One starting at
+    position p > 0 continues the first p tokens of the row's last sample that started at 0 (when that one is long
+    enough; otherwise it stands alone)."""
     global _last_spans
     if _last_spans[0] is position_ids:
         return _last_spans[1]
@@ -203,25 +231,39 @@ def sample_spans(position_ids: torch.Tensor, batch: int) -> list[list[tuple[int,
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     length = positions.shape[1]
     spans = []
-    for row in starts:
+    for row_positions, row in zip(positions.tolist(), starts):
         edges = row.nonzero().flatten().tolist() + [length]
-        spans.append(list(zip(edges[:-1], edges[1:])))
+        row_spans, root = [], None
+        for start, end in zip(edges[:-1], edges[1:]):
+            first = row_positions[start]
+            if first == 0:
+                root = Span(start, end)
+                row_spans.append(root)
+            elif root is not None and 0 < first <= root.length:
+                row_spans.append(Span(start, end, prefix=first, root=root.start))
+            else:
+                row_spans.append(Span(start, end))
+        spans.append(row_spans)
     _last_spans = (position_ids, spans)
     return spans
 
 
 class PerSampleAttention(torch.autograd.Function):
-    """Causal attention within each span of each row. q: (B, H, L, D); k, v: (B, KV, L, D), H a multiple of KV."""
+    """Causal attention within each span of each row (and to its shared prompt, if any). q: (B, H, L, D);
+    k, v: (B, KV, L, D), H a multiple of KV."""
 
     @staticmethod
     def forward(ctx, query, key, value, spans, scale: float):
         out = torch.empty_like(query)
         gqa = query.shape[1] != key.shape[1]
         for b, row in enumerate(spans):
-            for start, end in row:
-                out[b:b + 1, :, start:end] = F.scaled_dot_product_attention(
-                    query[b:b + 1, :, start:end], key[b:b + 1, :, start:end], value[b:b + 1, :, start:end],
-                    is_causal=True, scale=scale, enable_gqa=gqa)
+            for span in row:
+                q = query[b:b + 1, :, span.start:span.end]
+                k, v = (_with_prefix(t[b:b + 1], span) for t in (key, value))
+                # the prompt is visible to every query; after it, causal (bottom-right aligned)
+                mask = None if not span.prefix else _visible(span.length, span.prefix, query.device)
+                out[b:b + 1, :, span.start:span.end] = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         ctx.save_for_backward(query, key, value, out)
         ctx.spans, ctx.scale = spans, scale
         return out
@@ -234,21 +276,41 @@ class PerSampleAttention(torch.autograd.Function):
         grads = [torch.zeros_like(t) if needed else None
                  for t, needed in zip((query, key, value), ctx.needs_input_grad[:3])]
         for b, row in enumerate(ctx.spans):
-            for start, end in row:
-                pieces = [t[b, :, start:end].to(dtype) for t in (query, key, value, out, grad_out)]
-                for grad, piece in zip(grads, _span_backward(*pieces, ctx.scale)):
-                    if grad is not None:
-                        grad[b, :, start:end] = piece
+            for span in row:  # in row order: a prompt's own gradient is written before its answers add theirs
+                q, o, grad_o = (t[b, :, span.start:span.end].to(dtype) for t in (query, out, grad_out))
+                k, v = (_with_prefix(t[b], span).to(dtype) for t in (key, value))
+                for grad, piece in zip(grads, _span_backward(q, k, v, o, grad_o, ctx.scale, span.prefix)):
+                    if grad is None:
+                        continue
+                    if piece.shape[1] == span.length:
+                        grad[b, :, span.start:span.end] = piece
+                    else:  # keys and values: the shared prompt's part adds to what the prompt got already
+                        grad[b, :, span.root:span.root + span.prefix] += piece[:, :span.prefix]
+                        grad[b, :, span.start:span.end] = piece[:, span.prefix:]
         return (*grads, None, None)
 
 
-def _span_backward(q, k, v, o, grad_o, scale: float):
-    """Gradients of causal softmax attention for one sample, scores recomputed. q, o: (H, n, D); k, v: (KV, n, D)."""
+def _with_prefix(t: torch.Tensor, span: Span) -> torch.Tensor:
+    """A span's keys or values along dim -2: its shared prompt's, then its own."""
+    own = t[..., span.start:span.end, :]
+    if not span.prefix:
+        return own
+    return torch.cat([t[..., span.root:span.root + span.prefix, :], own], dim=-2)
+
+
+def _visible(length: int, prefix: int, device) -> torch.Tensor:
+    """(length × prefix + length) bool: query i sees the whole prompt and its own keys up to i."""
+    return torch.ones(length, prefix + length, dtype=torch.bool, device=device).tril_(prefix)
+
+
+def _span_backward(q, k, v, o, grad_o, scale: float, prefix: int = 0):
+    """Gradients of causal softmax attention for one sample, scores recomputed. q, o: (H, n, D); k, v: (KV, m, D),
+    m = prefix + n (the shared prompt's keys first, every query sees them)."""
     heads, n, _ = q.shape
     group = heads // k.shape[0]
     k_h, v_h = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in (k, v))
     scores = (q @ k_h.transpose(1, 2)).float().mul_(scale)
-    scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    scores.masked_fill_(torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).triu_(1 + prefix), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     del scores
     grad_v = probs.to(q.dtype).transpose(1, 2) @ grad_o
@@ -258,6 +320,6 @@ def _span_backward(q, k, v, o, grad_o, scale: float):
     grad_q = (grad_scores @ k_h).mul_(scale)
     grad_k = (grad_scores.transpose(1, 2) @ q).mul_(scale)
     if group > 1:
-        grad_k = grad_k.view(k.shape[0], group, n, -1).sum(1)
-        grad_v = grad_v.view(k.shape[0], group, n, -1).sum(1)
+        grad_k = grad_k.view(k.shape[0], group, k.shape[1], -1).sum(1)
+        grad_v = grad_v.view(k.shape[0], group, k.shape[1], -1).sum(1)
     return grad_q, grad_k, grad_v

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from .attention import dense_mask_warning, flex_problem_for_run
+from .attention import dense_mask_warning, flex_problem_for_run, shares_prompts
 from .attention import with_implementation as attention_for
 from .data import Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
@@ -143,8 +143,8 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
             run.claim(resume=resume, overwrite=overwrite)  # the lock; refusals; nothing deleted yet
         accelerator.wait_for_everyone()
         with StopRequest() as stop:
-            summary = _train(recipe, run, accelerator, resume, progress_bar, started, layout, stop, take_over,
-                             tokenizer, model_config, state, heartbeat)
+            summary = _train(recipe, run, accelerator, resume, progress_bar, started, layout, attention, stop,
+                             take_over, tokenizer, model_config, state, heartbeat)
     except BaseException as err:
         latest = run.latest_checkpoint()
         named = collective_failure(err, heartbeat, state.step, (recipe.distributed.startup_timeout_s,
@@ -171,6 +171,22 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
 
 
+def prompt_sharing(recipe: Recipe, attention, run: RunDir, resume: bool) -> bool:
+    """Whether each preference pair holds its prompt once (attention.shares_prompts). A resumed run keeps the
+    layout it started with, so its rows and their order stay what its checkpoints counted."""
+    here = shares_prompts(attention, recipe)
+    started = run.read_json().get("summary", {}) if resume else {}
+    if "train_sha256" not in started:  # a new run, or one that never got as far as its data
+        return here
+    before = bool(started.get("shared_prompts"))
+    if before and not here:
+        raise WorkbenchError("--resume: this run's preference pairs hold their prompt once (it started with the "
+                             "per-sample attention of a CPU, training.fast_paths: true), which attention "
+                             f"{attention.implementation} ({attention.packed_rows}) here cannot read; resume it "
+                             "on a CPU with training.fast_paths: true")
+    return before
+
+
 def check_same_data(run: RunDir, stats: dict) -> None:
     """A resumed run trains on the bytes it started on: a data file changed since then is refused."""
     recorded = run.read_json().get("summary", {})
@@ -182,7 +198,7 @@ def check_same_data(run: RunDir, stats: dict) -> None:
 
 
 def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar: bool, started: float,
-           layout: Layout, stop: StopRequest, take_over, tokenizer, model_config, state: "Progress",
+           layout: Layout, attention, stop: StopRequest, take_over, tokenizer, model_config, state: "Progress",
            heartbeat: Heartbeat) -> dict:
     cfg = recipe.training
     main = accelerator.is_main_process
@@ -190,7 +206,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
 
     # -- data ---------------------------------------------------------------------------------
     with accelerator.main_process_first():
-        data = prepare_data(recipe.data, tokenizer, seed=cfg.seed)
+        data = prepare_data(recipe.data, tokenizer, seed=cfg.seed,
+                            share_prompts=prompt_sharing(recipe, attention, run, resume))
     if data.stats.get("train_empty") and main:
         accelerator.print(f"warning: {data.stats['train_empty']} training sample(s) lost their whole answer to "
                           f"truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
@@ -209,7 +226,10 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
     model = attach_adapter(load_base_model(recipe), recipe)
     if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
-        apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
+        fast = apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
+        if data.stats.get("shared_prompts") and not fast["packed_attention"]:
+            raise WorkbenchError(f"{recipe.model.path}: this model does not run the per-sample attention that "
+                                 "preference pairs with one shared prompt need; set training.fast_paths: false")
     if cfg.compile:
         compile_layers(model)
     loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
