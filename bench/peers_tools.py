@@ -333,15 +333,15 @@ def conversational_pair(row: dict) -> dict:
             "rejected": [{"role": "assistant", "content": row["rejected"]}]}
 
 
-def reference_pairs(spec: dict, rows: list[dict], tokenizer, share_prompt: bool = False) -> list[dict]:
+def reference_pairs(spec: dict, rows: list[dict], tokenizer, share_prompts: bool = False) -> list[dict]:
     """Pairs tokenized one way for every tool (the workbench's: chat template, loss on the answers, each sequence
     truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second
-    (share_prompt: the rejected answer continuing the prompt, as the workbench trains on a CPU)."""
+    (share_prompts: the rejected answer continuing the prompt, as the workbench trains on a CPU)."""
     from workbench.data import tokenize_row
     from workbench.recipe import DataSection
 
     cfg = DataSection(train="unused", format="preference", max_seq_len=spec["max_seq_len"], train_on="completions")
-    return [tokenize_row(row, tokenizer, cfg, f"row {i}", share_prompt) for i, row in enumerate(rows)]
+    return [tokenize_row(row, tokenizer, cfg, f"row {i}", share_prompts) for i, row in enumerate(rows)]
 
 
 def pair_lengths(pairs: list[dict]) -> list[int]:

@@ -13,7 +13,8 @@ from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_position
 from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                 plain_head)
 from workbench.packed_attention import (FORCE_ENV, AttentionCosts, PerSampleAttention, Span, _costs, _mask_of,
-                                        attention_costs, choose_path, sample_spans)
+                                        attention_costs, choose_path, packed_attention, sample_spans,
+                                        use_packed_attention)
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
@@ -222,6 +223,53 @@ def test_packed_attention_model_matches_sdpa(tiny_path, path, monkeypatch):
     packed = loss_and_grads(model, batch, full_logits_loss_sum)
     torch.testing.assert_close(packed[0], reference[0], rtol=1e-5, atol=1e-4)
     assert_close_grads(packed[1], reference[1], rtol=1e-3, atol=1e-5)
+
+
+def test_attention_dropout_stays_within_each_sample():
+    """With attention dropout (GPT-2's attn_pdrop) training takes the masked path with the dropout applied: what a
+    sample attends to, however the dropout falls, never includes another sample."""
+    import types
+
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    q = torch.randn(1, 4, 16, 8)
+    k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :10], v2[:, :, :10] = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)  # another first sample
+    module = types.SimpleNamespace(is_causal=True)
+
+    def attend(key, value, dropout):
+        torch.manual_seed(1)
+        return packed_attention(module, q, key, value, None, dropout=dropout, position_ids=positions)[0]
+
+    dropped, other_first, no_dropout = attend(k, v, 0.5), attend(k2, v2, 0.5), attend(k, v, 0.0)
+    assert torch.equal(dropped[:, 10:], other_first[:, 10:])  # the second sample never saw the first
+    assert not torch.allclose(dropped, no_dropout)  # and the dropout was applied
+
+
+def test_a_sliding_window_shorter_than_a_sample_is_kept():
+    """Mistral-style sliding-window attention over packed rows, and over a pair holding its prompt once, gives what
+    each sample gets on its own. (transformers' own sdpa masks do not keep windowed packed samples apart: the
+    reference here is each sample alone.)"""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=6, max_position_embeddings=64)
+    model = MistralForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 128, (1, 30))
+    rows = torch.cat([torch.arange(18), torch.arange(12)])[None]  # two samples, both longer than the window
+    # a pair holding its prompt once: [prompt 9 + chosen 6][rejected 4, positions from 8]
+    pair = torch.cat([torch.arange(15), torch.arange(8, 12)])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[:, :18]).logits, model(input_ids=ids[:, 18:]).logits], dim=1)
+        rejected_alone = model(input_ids=torch.cat([ids[:, :8], ids[:, 15:19]], dim=1)).logits[:, 8:]
+        assert use_packed_attention(model)
+        got = model(input_ids=ids, position_ids=rows).logits
+        got_rejected = model(input_ids=ids[:, :19], position_ids=pair).logits[:, 15:]
+    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_rejected, rejected_alone, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_attention_leaves_generation_alone(tiny_path, tiny_tokenizer):

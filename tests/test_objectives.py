@@ -400,7 +400,7 @@ def test_a_shared_prompt_gives_the_same_log_probabilities_and_gradients(setup):
 
     model, cfg = setup.model, setup.recipe.data
     rows = [json.loads(line) for line in (ROOT / "recipes/data/preference_train.jsonl").read_text().splitlines()[:8]]
-    layouts = {share: [tokenize_row(row, setup.tokenizer, cfg, f"preference_train.jsonl:{i + 1}", share_prompt=share)
+    layouts = {share: [tokenize_row(row, setup.tokenizer, cfg, f"preference_train.jsonl:{i + 1}", share_prompts=share)
                        for i, row in enumerate(rows)] for share in (False, True)}
     weights = torch.randn(2 * len(rows), generator=torch.Generator().manual_seed(3))
 

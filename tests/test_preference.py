@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workbench import DataError, Recipe, RecipeError, WorkbenchError
-from workbench.data import IGNORE, Collator, count_samples, pack, prepare_data, tokenize_row
+from workbench.data import IGNORE, Collator, pack, prepare_data, sample_starts, tokenize_row
 from workbench.formats import FORMAT_NAMES, FORMATS, detect, format_of
 from workbench.objectives import counts, sample_index
 from workbench.recipe import DataSection
@@ -173,13 +173,15 @@ def test_a_pair_can_hold_its_prompt_once(tiny_tokenizer):
     two whole samples, the rejected answer's positions continuing the prompt; nothing to share when the prompt
     carries targets (train_on: all)."""
     whole = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1")
-    shared = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1", share_prompt=True)
+    shared = tokenize_row(PAIR, tiny_tokenizer, cfg(), "x:1", share_prompts=True)
     chosen_len = whole["position_ids"].index(0, 1)
     prompt_len = next(i for i, label in enumerate(whole["labels"]) if label != IGNORE)
     assert shared["input_ids"] == whole["input_ids"][:chosen_len] + whole["input_ids"][chosen_len + prompt_len - 1:]
     assert shared["position_ids"] == list(range(chosen_len)) + list(range(prompt_len - 1, len(whole["input_ids"])
                                                                               - chosen_len))
-    assert shared["targets"] == whole["targets"] > 0 and count_samples(shared["position_ids"]) == 2
+    assert shared["targets"] == whole["targets"] > 0
+    assert int(sample_starts(torch.tensor(shared["position_ids"])).sum()) == 2
+    assert shared["whole_length"] == len(whole["input_ids"])  # what packing bins by
 
     def targets_by_sample(example):
         batch = Collator(tiny_tokenizer.pad_token_id)([example])
@@ -188,8 +190,9 @@ def test_a_pair_can_hold_its_prompt_once(tiny_tokenizer):
 
     assert targets_by_sample(shared) == targets_by_sample(whole)  # each answer predicted from the same tokens
     everything = cfg(train_on="all")
-    assert tokenize_row(PAIR, tiny_tokenizer, everything, "x:1", share_prompt=True) == tokenize_row(
-        PAIR, tiny_tokenizer, everything, "x:1")
+    unshared = tokenize_row(PAIR, tiny_tokenizer, everything, "x:1", share_prompts=True)
+    assert unshared.pop("whole_length") == len(whole["input_ids"])
+    assert unshared == tokenize_row(PAIR, tiny_tokenizer, everything, "x:1")
 
 
 def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_tokenizer, monkeypatch):
@@ -300,21 +303,57 @@ def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     """Rows (and so what a checkpoint counted) depend on the layout: a run started with whole pairs resumes with
     whole pairs; one started with shared prompts cannot resume where attention cannot read them."""
     from workbench.attention import Attention
-    from workbench.train import prompt_sharing
+    from workbench.train import pairs_share_prompts
 
     recipe = Recipe.load("recipes/tiny-dpo.yaml")
     cpu, gpu = Attention("sdpa", "per_sample", "cpu"), Attention("flex_attention", "document_mask", "gpu")
     run = RunDir(tmp_path / "run")
-    assert prompt_sharing(recipe, cpu, run, resume=False) and not prompt_sharing(recipe, gpu, run, resume=False)
-    assert prompt_sharing(recipe, cpu, run, resume=True)  # nothing recorded yet: as a new run
+
+    def shares(attention, resume, r=recipe):
+        return pairs_share_prompts(r, attention, None, run, resume)
+
+    assert shares(cpu, resume=False) and not shares(gpu, resume=False)
+    assert shares(cpu, resume=True)  # nothing recorded yet: as a new run
     run.path.mkdir()
     run.update_json(summary={"train_sha256": "0" * 64})  # started before pairs could share a prompt
-    assert not prompt_sharing(recipe, cpu, run, resume=True)
+    assert not shares(cpu, resume=True)
     run.update_json(summary={"shared_prompts": True})
-    assert prompt_sharing(recipe, cpu, run, resume=True)
+    assert shares(cpu, resume=True)
     with pytest.raises(WorkbenchError, match="hold their prompt once.*flex_attention"):
-        prompt_sharing(recipe, gpu, run, resume=True)
-    assert not prompt_sharing(recipe.override("data.format=alpaca", "training.objective=sft"), cpu, run, False)
+        shares(gpu, resume=True)
+    with pytest.raises(WorkbenchError, match="adapter.dropout 0.1"):
+        shares(cpu, resume=True, r=recipe.override("adapter.dropout=0.1"))
+
+
+def test_pairs_share_prompts_only_without_dropout():
+    """Dropout over a shared prompt is drawn once for both answers, over two whole sequences twice: not the same
+    loss, so a run with LoRA dropout or a model that drops out keeps whole pairs."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from workbench.attention import Attention, model_drops_out, shares_prompts
+
+    recipe, cpu = Recipe.load("recipes/tiny-dpo.yaml"), Attention("sdpa", "per_sample", "cpu")
+    assert shares_prompts(cpu, recipe, LlamaConfig())
+    assert not shares_prompts(cpu, recipe.override("adapter.dropout=0.05"), LlamaConfig())
+    assert not shares_prompts(cpu, recipe, LlamaConfig(attention_dropout=0.1))
+    assert model_drops_out(GPT2Config()) and not model_drops_out(GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    assert not shares_prompts(cpu, recipe.override("data.format=alpaca", "training.objective=sft"), LlamaConfig())
+
+
+def test_shared_prompts_pack_into_the_rows_whole_pairs_do(tmp_path, tiny_tokenizer, monkeypatch):
+    """Packing bins a pair by its two whole sequences: the same rows, pairs and so steps as whole pairs (on a GPU,
+    or in the data preview), each row shorter by its prompts."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    section = cfg(train="recipes/data/preference_train.jsonl", max_seq_len=64)
+    whole, shared = (prepare_data(section, tiny_tokenizer, share_prompts=share) for share in (False, True))
+    assert len(shared.train) == len(whole.train) and whole.stats["shared_prompts"] is False
+    assert shared.stats["shared_prompts"] is True and "whole_length" not in shared.train.column_names
+
+    def answers(row):  # each row's answers, in order: what training learns from it
+        return [tuple(t for t in row["labels"] if t != IGNORE)]
+
+    assert [answers(r) for r in shared.train] == [answers(r) for r in whole.train]
+    assert sum(map(len, shared.train["input_ids"])) < 0.85 * sum(map(len, whole.train["input_ids"]))
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """Training data: load rows, render them with the chat template, mask prompts, truncate, pack, collate.
 
 Every example becomes `input_ids`, `labels` (-100 where no loss is taken) and `position_ids`.
-Packed examples hold several samples whose positions restart at 0: transformers then builds a
-block-diagonal causal mask, so a sample attends only to itself. The collator never builds an
-attention mask: padding is one more "sample" of its own, and targets never cross a sample boundary.
+A sample starts wherever positions do not continue (`sample_starts`). Packed examples hold several
+samples whose positions restart at 0: transformers then builds a block-diagonal causal mask, so a
+sample attends only to itself. A preference pair may hold its prompt once, its rejected answer's
+positions continuing the prompt (`shared_prompt_layout`; the CPU's per-sample attention reads it).
+The collator never builds an attention mask: padding continues the row's last sample, and targets
+never cross a sample boundary.
 """
 
 from __future__ import annotations
@@ -296,25 +299,27 @@ def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     return {"input_ids": input_ids, "labels": labels, "truncated": truncated, "targets": targets}
 
 
-def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_prompt: bool = False) -> dict:
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_prompts: bool = False) -> dict:
     """A row as training sees it. A preference row is one example holding two samples, chosen then rejected,
-    whose positions restart at 0 (so each attends only to itself, as packed samples do). share_prompt: the
-    pair keeps one copy of its prompt instead (see shared_prompt_layout), for attention that reads prefixes."""
+    whose positions restart at 0 (so each attends only to itself, as packed samples do). share_prompts: the
+    pair holds its prompt once instead (shared_prompt_layout), and `whole_length` keeps the two whole
+    sequences' length, which packing bins by."""
     fmt = format_of(cfg.format)
     if not fmt.preference:
         return tokenize_segments(_rendered(fmt.segments, row, tokenizer, cfg, where), tokenizer, cfg)
     chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
     # a pair that lost an answer, or whose answers truncation made the same, teaches nothing: left out, counted
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
-    shared = shared_prompt_length(chosen, rejected) if share_prompt else 0
-    if shared > 1:
-        layout = shared_prompt_layout(chosen, rejected, shared)
-    else:
-        layout = {"input_ids": chosen["input_ids"] + rejected["input_ids"],
-                  "labels": chosen["labels"] + rejected["labels"],
-                  "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"])))}
-    return {**layout, "truncated": chosen["truncated"] or rejected["truncated"],
-            "targets": chosen["targets"] + rejected["targets"] if both else 0}
+    example = {"truncated": chosen["truncated"] or rejected["truncated"],
+               "targets": chosen["targets"] + rejected["targets"] if both else 0}
+    shared = shared_prompt_length(chosen, rejected) if share_prompts else 0
+    if share_prompts:
+        example["whole_length"] = len(chosen["input_ids"]) + len(rejected["input_ids"])
+    if shared > 1:  # one shared token is the one each answer repeats: nothing would be saved
+        return {**shared_prompt_layout(chosen, rejected, shared), **example}
+    return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
+            "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
+            **example}
 
 
 def shared_prompt_length(chosen: dict, rejected: dict) -> int:
@@ -374,12 +379,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((body + extra).encode()).hexdigest()
 
 
-def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None, share_prompt: bool = False):
+def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None, share_prompts: bool = False):
     """Tokenize every row (cached on disk by content, tokenizer and settings)."""
     import datasets
 
     settings = json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on, cfg.system_prompt, limit]
-                          + ([share_prompt] if share_prompt else []))
+                          + ([share_prompts] if share_prompts else []))
     key = hashlib.sha256(f"{rows.fingerprint}|{tokenizer_fingerprint(tokenizer)}|{settings}".encode()).hexdigest()
     folder = cache_dir() / "data" / key[:32]
     if (folder / "dataset_info.json").exists():
@@ -389,7 +394,7 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
     if limit is not None:
         source = source.select(range(min(limit, len(source))))
     tokenized = source.map(
-        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i), share_prompt),
+        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i), share_prompts),
         with_indices=True,
         remove_columns=source.column_names,
         new_fingerprint=key[:32],
@@ -431,7 +436,7 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
     eval_tok, eval_rows = None, None
     if cfg.eval:
         eval_rows = load_rows(cfg.eval, cfg.split, check)
-        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompt=share_prompts)
+        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompts=share_prompts)
     elif cfg.eval_split:
         held_out = math.ceil(len(train_tok) * cfg.eval_split)
         if not 0 < held_out < len(train_tok):
@@ -494,17 +499,20 @@ def drop_empty(dataset):
 
 def with_positions(dataset):
     if "position_ids" in dataset.column_names:  # examples of several samples carry their own
-        return dataset.remove_columns(["truncated", "targets"])
+        extra = [c for c in ("truncated", "targets", "whole_length") if c in dataset.column_names]
+        return dataset.remove_columns(extra)
     return dataset.map(lambda row: {"position_ids": list(range(len(row["input_ids"])))},
                        remove_columns=["truncated", "targets"])
 
 
 def pack(dataset, max_seq_len: int):
     """Best-fit-decreasing packing: fewest sequences of at most max_seq_len tokens. An example of several
-    samples (a preference pair) stays whole and in order."""
+    samples (a preference pair) stays whole and in order. Pairs that hold their prompt once are binned by their
+    two whole sequences' length, so they fill the rows and steps whole pairs would (the rows only get shorter)."""
     import datasets
 
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    lengths = (dataset["whole_length"] if "whole_length" in dataset.column_names
+               else [len(ids) for ids in dataset["input_ids"]])
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # sorted (room left, bin index)
@@ -519,7 +527,7 @@ def pack(dataset, max_seq_len: int):
         bisect.insort(free, (room - lengths[i], b))
     input_ids, labels = dataset["input_ids"], dataset["labels"]
     positions = (dataset["position_ids"] if "position_ids" in dataset.column_names
-                 else [range(n) for n in lengths])
+                 else [range(len(ids)) for ids in input_ids])
     packs = {"input_ids": [], "labels": [], "position_ids": []}
     for members in bins:
         packs["input_ids"].append([t for i in members for t in input_ids[i]])
@@ -547,6 +555,7 @@ class Collator:
         width = -(-longest // self.multiple) * self.multiple
         batch = {name: torch.full((len(examples), width), fill, dtype=torch.long)
                  for name, fill in (("input_ids", self.pad_token_id), ("labels", IGNORE), ("position_ids", 0))}
+        batch["num_samples"] = 0
         for row, example in enumerate(examples):
             n = len(example["input_ids"])
             batch["input_ids"][row, :n] = torch.tensor(example["input_ids"])
@@ -556,19 +565,22 @@ class Collator:
             # tokens are untouched, and a row of one sample stays one sample (no mask needed on a GPU)
             batch["position_ids"][row, n:] = torch.arange(width - n) + (positions[-1] + 1 if n else 0)
             labels = torch.tensor(example["labels"])
-            continues = positions[1:] == positions[:-1] + 1
-            batch["labels"][row, : n - 1] = torch.where(continues, labels[1:], IGNORE)
+            starts = sample_starts(positions)
+            batch["labels"][row, : n - 1] = torch.where(starts[1:], IGNORE, labels[1:])
+            batch["num_samples"] += int(starts.sum())
         # counts for throughput and FLOPs, as Python ints: the loop reads them without waiting for the device
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions
         batch["num_attended"] = sum(p + 1 for e in examples for p in e["position_ids"])
-        batch["num_samples"] = sum(count_samples(e["position_ids"]) for e in examples)
         return batch
 
 
-def count_samples(positions: list[int]) -> int:
-    """Samples start where positions do not continue (at 0, or where an answer continues a shared prompt)."""
-    return sum(1 for i, p in enumerate(positions) if i == 0 or p != positions[i - 1] + 1)
+def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """True where a sample starts: at the first position of a row and wherever positions do not continue (a new
+    sample at 0, or an answer continuing its pair's shared prompt)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .data import IGNORE
+from .data import IGNORE, sample_starts
 from .lm_loss import CHUNK_ELEMENTS, causal_lm_of, head_bypassed, plain_head
 
 # the counts vector: what losses are normalised by
@@ -57,13 +57,9 @@ def counts(batch: dict) -> torch.Tensor:
 
 
 def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
-    """For each position (flattened), the batch-wide index of the sample it belongs to: samples start where
-    positions do not continue, at 0 or where a rejected answer continues its pair's shared prompt (padding
-    continues the row's last sample and carries no target; every row starts at 0)."""
-    flat = position_ids.flatten()
-    starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = flat[1:] != flat[:-1] + 1
-    return starts.cumsum(0) - 1
+    """For each position (flattened), the batch-wide index of the sample it belongs to (data.sample_starts;
+    padding continues the row's last sample and carries no target)."""
+    return sample_starts(position_ids).flatten().cumsum(0) - 1
 
 
 # -- the objectives ---------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ thread count and cached on disk) picks the cheaper path for each batch. LORA_WOR
 per_sample|masked forces one.
 
 `use_packed_attention(model)` switches a transformers model from `sdpa` to this implementation; batches
-with a padding mask, a KV cache (generation), attention dropout or another device take the ordinary
-`sdpa` path unchanged.
+with a padding mask, a KV cache (generation) or another device take the ordinary `sdpa` path unchanged.
+Attention dropout, and a sliding window shorter than a sample (Mistral, Gemma 3, Phi-3), take the masked path
+with the dropout and the window applied.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .data import sample_starts
+
 NAME = "sdpa_packed"
 FORCE_ENV = "LORA_WORKBENCH_PACKED_ATTENTION"
 _last_spans: tuple[torch.Tensor | None, list] = (None, [])  # every layer of a forward sees the same position_ids
-_last_mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+_last_mask: tuple[torch.Tensor | None, dict] = (None, {})  # masks by sliding window, for the last position_ids
 _costs: dict[tuple, "AttentionCosts"] = {}
 
 
@@ -69,21 +72,23 @@ def packed_mask(*, attention_mask=None, device="cpu", **kwargs):
 
 @torch.compiler.disable  # per-batch Python decisions and caches: run eagerly inside a compiled layer
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     position_ids=None, **kwargs):
+                     position_ids=None, sliding_window=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    per_sample = (attention_mask is None and position_ids is not None and query.device.type == "cpu"
-                  and query.shape[2] == key.shape[2] and dropout == 0.0 and getattr(module, "is_causal", True)
-                  and is_causal is not False)
-    if not per_sample:
+    own = (attention_mask is None and position_ids is not None and query.device.type == "cpu"
+           and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True) and is_causal is not False)
+    if not own:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, position_ids=position_ids, **kwargs)
+                                      is_causal=is_causal, position_ids=position_ids, sliding_window=sliding_window,
+                                      **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     spans = sample_spans(position_ids, query.shape[0])
-    if choose_path(spans, query, key) == "masked":
-        out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype),
-                                             attn_mask=block_mask(position_ids, spans, query.shape[2]), scale=scale,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+    # attention dropout, and a sliding window that a sample outgrows, need the mask: the per-sample kernel has neither
+    windowed = sliding_window is not None and any(s.prefix + s.length > sliding_window for row in spans for s in row)
+    if dropout > 0 or windowed or choose_path(spans, query, key) == "masked":
+        mask = block_mask(position_ids, spans, query.shape[2], sliding_window if windowed else None)
+        out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask,
+                                             dropout_p=dropout, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
     else:
         out = PerSampleAttention.apply(query, key, value, spans, scale)
     return out.transpose(1, 2).contiguous(), None
@@ -183,15 +188,20 @@ def _measure_costs(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     return AttentionCosts(per_call, per_score, max(small - (length // 4) ** 2 * masked_score, 0.0), masked_score)
 
 
-def block_mask(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tensor:
-    """The (rows, 1, L, L) causal block-diagonal mask of a packed batch, built once per forward."""
+def block_mask(position_ids: torch.Tensor, spans: list, length: int, window: int | None = None) -> torch.Tensor:
+    """The (rows, 1, L, L) causal block-diagonal mask of a packed batch, built once per forward (and window)."""
     global _last_mask
     if _last_mask[0] is not position_ids:
-        _last_mask = (position_ids, _mask_of(position_ids, spans, length))
-    return _last_mask[1]
+        _last_mask = (position_ids, {})
+    masks = _last_mask[1]
+    if window not in masks:
+        masks[window] = _mask_of(position_ids, spans, length, window)
+    return masks[window]
 
 
-def _mask_of(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tensor:
+def _mask_of(position_ids: torch.Tensor, spans: list, length: int, window: int | None = None) -> torch.Tensor:
+    """Each token sees the earlier tokens of its own sample and of the prompt it continues; with a sliding window
+    only those fewer than `window` positions back (as transformers' windowed masks count)."""
     segment = torch.zeros(len(spans), length, dtype=torch.long)
     for row, row_spans in enumerate(spans):
         for index, span in enumerate(row_spans):
@@ -202,6 +212,9 @@ def _mask_of(position_ids: torch.Tensor, spans: list, length: int) -> torch.Tens
         for span in row_spans:
             if span.prefix:
                 mask[row, span.start:span.end, span.root:span.root + span.prefix] = True
+    if window is not None:
+        positions = position_ids.expand(len(spans), -1).cpu()
+        mask &= positions[:, :, None] - positions[:, None, :] < window
     return mask[:, None].to(position_ids.device)
 
 
@@ -220,15 +233,14 @@ class Span(NamedTuple):
 
 
 def sample_spans(position_ids: torch.Tensor, batch: int) -> list[list[Span]]:
-    """The samples of each row: a sample starts wherever the position does not continue. One starting at
-    position p > 0 continues the first p tokens of the row's last sample that started at 0 (when that one is long
-    enough; otherwise it stands alone)."""
+    """The samples of each row (data.sample_starts). One starting at position p > 0 continues the first p tokens
+    of the row's last sample that started at 0 (when that one is long enough: otherwise, positions handed in by
+    other callers, it stands alone as before)."""
     global _last_spans
     if _last_spans[0] is position_ids:
         return _last_spans[1]
     positions = position_ids.expand(batch, -1).cpu()
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    starts = sample_starts(positions)
     length = positions.shape[1]
     spans = []
     for row_positions, row in zip(positions.tolist(), starts):

@@ -171,19 +171,20 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
 
 
-def prompt_sharing(recipe: Recipe, attention, run: RunDir, resume: bool) -> bool:
-    """Whether each preference pair holds its prompt once (attention.shares_prompts). A resumed run keeps the
-    layout it started with, so its rows and their order stay what its checkpoints counted."""
-    here = shares_prompts(attention, recipe)
+def pairs_share_prompts(recipe: Recipe, attention, model_config, run: RunDir, resume: bool) -> bool:
+    """Whether this run's preference pairs hold their prompt once (attention.shares_prompts). A resumed run keeps
+    the layout it started with, so its rows and their order stay what its checkpoints counted."""
+    here = shares_prompts(attention, recipe, model_config)
     started = run.read_json().get("summary", {}) if resume else {}
     if "train_sha256" not in started:  # a new run, or one that never got as far as its data
         return here
     before = bool(started.get("shared_prompts"))
     if before and not here:
-        raise WorkbenchError("--resume: this run's preference pairs hold their prompt once (it started with the "
-                             "per-sample attention of a CPU, training.fast_paths: true), which attention "
-                             f"{attention.implementation} ({attention.packed_rows}) here cannot read; resume it "
-                             "on a CPU with training.fast_paths: true")
+        raise WorkbenchError(
+            "--resume: this run's preference pairs hold their prompt once, as it started (a CPU's per-sample "
+            f"attention, no dropout), which this run cannot (attention {attention.implementation}, "
+            f"{attention.packed_rows}; adapter.dropout {recipe.adapter.dropout}); resume it on a CPU with "
+            "training.fast_paths: true and the dropout it started with")
     return before
 
 
@@ -207,7 +208,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     # -- data ---------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = prepare_data(recipe.data, tokenizer, seed=cfg.seed,
-                            share_prompts=prompt_sharing(recipe, attention, run, resume))
+                            share_prompts=pairs_share_prompts(recipe, attention, model_config, run, resume))
     if data.stats.get("train_empty") and main:
         accelerator.print(f"warning: {data.stats['train_empty']} training sample(s) lost their whole answer to "
                           f"truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
@@ -228,8 +229,9 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
         fast = apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
         if data.stats.get("shared_prompts") and not fast["packed_attention"]:
-            raise WorkbenchError(f"{recipe.model.path}: this model does not run the per-sample attention that "
-                                 "preference pairs with one shared prompt need; set training.fast_paths: false")
+            raise WorkbenchError(f"{recipe.model.path}: the per-sample attention that preference pairs holding their "
+                                 "prompt once need could not be switched on for this model; start the run with "
+                                 "training.fast_paths: false")
     if cfg.compile:
         compile_layers(model)
     loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
