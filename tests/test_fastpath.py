@@ -272,6 +272,21 @@ def test_a_sliding_window_shorter_than_a_sample_is_kept():
     torch.testing.assert_close(got_rejected, rejected_alone, rtol=1e-5, atol=1e-5)
 
 
+def test_a_window_set_only_on_the_attention_module_is_kept():
+    """Some models (Qwen2-MoE) put the window on the attention module and not in the call: the same result."""
+    import types
+
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    given = packed_attention(types.SimpleNamespace(is_causal=True), q, k, v, None, position_ids=positions,
+                             sliding_window=4)[0]
+    on_module = packed_attention(types.SimpleNamespace(is_causal=True, sliding_window=4), q, k, v, None,
+                                 position_ids=positions)[0]
+    unwindowed = packed_attention(types.SimpleNamespace(is_causal=True), q, k, v, None, position_ids=positions)[0]
+    assert torch.equal(on_module, given) and not torch.allclose(given, unwindowed)
+
+
 def test_packed_attention_leaves_generation_alone(tiny_path, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa")
     prompts = tiny_tokenizer(["The model reads", "A student writes the answer"], return_tensors="pt", padding=True,

@@ -302,6 +302,8 @@ def test_sharing_the_prompt_trains_as_whole_sequences_do(objective, tmp_path, mo
 def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     """Rows (and so what a checkpoint counted) depend on the layout: a run started with whole pairs resumes with
     whole pairs; one started with shared prompts cannot resume where attention cannot read them."""
+    from transformers import LlamaConfig
+
     from workbench.attention import Attention
     from workbench.train import pairs_share_prompts
 
@@ -310,7 +312,7 @@ def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     run = RunDir(tmp_path / "run")
 
     def shares(attention, resume, r=recipe):
-        return pairs_share_prompts(r, attention, None, run, resume)
+        return pairs_share_prompts(r, attention, LlamaConfig(), run, resume)
 
     assert shares(cpu, resume=False) and not shares(gpu, resume=False)
     assert shares(cpu, resume=True)  # nothing recorded yet: as a new run
@@ -319,7 +321,7 @@ def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     assert not shares(cpu, resume=True)
     run.update_json(summary={"shared_prompts": True})
     assert shares(cpu, resume=True)
-    with pytest.raises(WorkbenchError, match="hold their prompt once.*flex_attention"):
+    with pytest.raises(WorkbenchError, match="holding its prompt once.*attention flex_attention"):
         shares(gpu, resume=True)
     with pytest.raises(WorkbenchError, match="adapter.dropout 0.1"):
         shares(cpu, resume=True, r=recipe.override("adapter.dropout=0.1"))

@@ -168,7 +168,7 @@ def packed_rows_of(implementation: str, device_kind: str, recipe) -> str:
     return "dense_mask"
 
 
-def shares_prompts(attention: Attention, recipe, model_config=None) -> bool:
+def shares_prompts(attention: Attention, recipe, model_config) -> bool:
     """Whether each preference pair holds its prompt once, the rejected answer continuing it (workbench/data.py:
     shared_prompt_layout), which spares the prompt's second pass through every layer in the policy's forward
     and backward and the reference's forward. Only the CPU's per-sample attention reads a shared prompt from
@@ -182,8 +182,6 @@ def shares_prompts(attention: Attention, recipe, model_config=None) -> bool:
 def model_drops_out(model_config) -> bool:
     """Whether the model's own layers draw dropout in training: any dropout rate of its config above 0
     (`attention_dropout`, `hidden_dropout`, GPT-2's `attn_pdrop` ...; classification and summary heads aside)."""
-    if model_config is None:
-        return False
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return any(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
                for name, value in text.to_dict().items()

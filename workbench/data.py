@@ -384,7 +384,7 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
     import datasets
 
     settings = json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on, cfg.system_prompt, limit]
-                          + ([share_prompts] if share_prompts else []))
+                          + (["shared prompts, binned whole"] if share_prompts else []))
     key = hashlib.sha256(f"{rows.fingerprint}|{tokenizer_fingerprint(tokenizer)}|{settings}".encode()).hexdigest()
     folder = cache_dir() / "data" / key[:32]
     if (folder / "dataset_info.json").exists():

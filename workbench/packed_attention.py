@@ -72,8 +72,11 @@ def packed_mask(*, attention_mask=None, device="cpu", **kwargs):
 
 @torch.compiler.disable  # per-batch Python decisions and caches: run eagerly inside a compiled layer
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     position_ids=None, sliding_window=None, **kwargs):
+                     position_ids=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # most models hand each layer's window in (None on global layers); a few only set it on the module
+    sliding_window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
 
     own = (attention_mask is None and position_ids is not None and query.device.type == "cpu"
            and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True) and is_causal is not False)
@@ -214,7 +217,7 @@ def _mask_of(position_ids: torch.Tensor, spans: list, length: int, window: int |
                 mask[row, span.start:span.end, span.root:span.root + span.prefix] = True
     if window is not None:
         positions = position_ids.expand(len(spans), -1).cpu()
-        mask &= positions[:, :, None] - positions[:, None, :] < window
+        mask &= positions[:, None, :] > positions[:, :, None] - window  # bool throughout: no (L × L) int64
     return mask[:, None].to(position_ids.device)
 
 

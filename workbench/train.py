@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from .attention import dense_mask_warning, flex_problem_for_run, shares_prompts
+from .attention import dense_mask_warning, flex_problem_for_run, model_drops_out, shares_prompts
 from .attention import with_implementation as attention_for
 from .data import Collator, EpochSampler, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
@@ -181,10 +181,11 @@ def pairs_share_prompts(recipe: Recipe, attention, model_config, run: RunDir, re
     before = bool(started.get("shared_prompts"))
     if before and not here:
         raise WorkbenchError(
-            "--resume: this run's preference pairs hold their prompt once, as it started (a CPU's per-sample "
-            f"attention, no dropout), which this run cannot (attention {attention.implementation}, "
-            f"{attention.packed_rows}; adapter.dropout {recipe.adapter.dropout}); resume it on a CPU with "
-            "training.fast_paths: true and the dropout it started with")
+            "--resume: this run started with each preference pair holding its prompt once, which needs a CPU's "
+            "per-sample attention (training.fast_paths: true) and no dropout; here: attention "
+            f"{attention.implementation} ({attention.packed_rows}), adapter.dropout {recipe.adapter.dropout}, "
+            f"the model's own dropout {'on' if model_drops_out(model_config) else 'off'}; resume it where all three "
+            "hold, or start a new run")
     return before
 
 
