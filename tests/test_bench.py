@@ -40,3 +40,15 @@ def test_gpu_check_dry_run_goes_through_every_part(tmp_path):
     assert set(report["peers"]["rows"]) == {"workbench", "trl"}  # the goal compares these two
     assert len(report["goals"]) == 3 and all(g["met"] is None for g in report["goals"])  # GPU goals, not judged here
     assert "| goal | measured | met |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_profile_steps_runs_and_names_the_matmul_shapes(tmp_path):
+    out = tmp_path / "profile.txt"
+    done = subprocess.run([sys.executable, "bench/profile_steps.py", "--cpu", "--steps", "1", "--out", str(out),
+                           "training.threads=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "by host time:" in text and "aten::mm:" in text and "% of all operators' self time" in text
+    shapes = text.split("GFLOP/s alone):")[1].strip().splitlines()
+    assert shapes and all(line.strip().startswith("[[") and float(line.split()[-1]) > 0 for line in shapes)
