@@ -312,11 +312,11 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_promp
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
     example = {"truncated": chosen["truncated"] or rejected["truncated"],
                "targets": chosen["targets"] + rejected["targets"] if both else 0}
-    shared = shared_prompt_length(chosen, rejected) if share_prompts else 0
     if share_prompts:
         example["whole_length"] = len(chosen["input_ids"]) + len(rejected["input_ids"])
-    if shared > 1:  # one shared token is the one each answer repeats: nothing would be saved
-        return {**shared_prompt_layout(chosen, rejected, shared), **example}
+        shared = shared_prompt_length(chosen, rejected)
+        if shared > 1:  # one shared token is the one each answer repeats: nothing would be saved
+            return {**shared_prompt_layout(chosen, rejected, shared), **example}
     return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
             "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
             **example}
