@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import html
+import inspect
 import json
 import shutil
 import time
@@ -649,7 +650,7 @@ def test_save_writes_only_recipes_whose_paths_stay_inside(h, root, tmp_path_fact
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.jsonl").write_text("{}\n")
     (root / "runs/x").mkdir(parents=True)
-    assert "must be a file under recipes/" in h.save_recipe("runs/x/recipe.yaml", tiny_text("x"))
+    assert "inside the run directory runs/x" in h.save_recipe("runs/x/recipe.yaml", tiny_text("x"))
     assert not (root / "runs/x/recipe.yaml").exists()
     evil = tiny_text("x", f"data.train={outside}/secret.jsonl")
     assert "outside the workspace" in h.save_recipe("recipes/evil.yaml", evil)
@@ -814,3 +815,111 @@ def test_chat_and_compare_refuse_run_files_that_link_outside(h, root, tmp_path_f
     base, tuned, status = h.chat("victim", "hi", 8)
     assert "symbolic link" in status and "sk-SECRET" not in status
     assert "symbolic link" in h.compare(["victim"])[-1]
+
+
+# -- found by a third attack (issue 34) ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def evil_model(tmp_path_factory):
+    """A model folder outside the workspace whose config.json makes transformers import its evil.py, which leaves
+    a mark: loading it with trust_remote_code runs that file."""
+    folder = tmp_path_factory.mktemp("evil")
+    config = {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text(f"import pathlib\n\npathlib.Path({str(folder / 'RAN')!r}).touch()\n\n"
+                                    "from transformers import PretrainedConfig\n\n\n"
+                                    "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    return folder
+
+
+# (where the model lies, trust_remote_code, what the refusal names)
+EVIL_CASES = {"outside-with-code": ("outside", True, "trust_remote_code"),
+              "outside": ("outside", False, "outside the workspace"),
+              "inside-with-code": ("models/evil", True, "trust_remote_code")}
+
+
+def evil_text(root: Path, evil_model: Path, case: str) -> str:
+    where, code, _ = EVIL_CASES[case]
+    if where != "outside":
+        shutil.copytree(evil_model, root / where)
+    path = evil_model if where == "outside" else where
+    return tiny_text("evil", f"model.path={path}", f"model.trust_remote_code={str(code).lower()}")
+
+
+def recipe_handlers() -> list[str]:
+    """Every handler that takes recipe text."""
+    return [name for name, fn in inspect.getmembers(Handlers, inspect.isfunction)
+            if not name.startswith("_") and "text" in inspect.signature(fn).parameters]
+
+
+HANDLER_ARGS = {"relative": "recipes/evil.yaml", "rows": 3, "world_size": 1, "nodes": 1, "device": "cpu",
+                "device_memory_gib": None, "price": None, "nproc": 1, "replace": False}
+
+
+@pytest.mark.parametrize("case", EVIL_CASES)
+@pytest.mark.parametrize("handler", recipe_handlers())
+def test_every_handler_that_takes_a_recipe_refuses_remote_code_and_outside_models(h, root, evil_model, handler, case):
+    fn = getattr(h, handler)
+    text = evil_text(root, evil_model, case)
+    args = {name: text if name == "text" else HANDLER_ARGS[name]  # a new parameter: give it a value here
+            for name, p in inspect.signature(fn).parameters.items() if p.default is inspect.Parameter.empty}
+    out = fn(**args)
+    assert EVIL_CASES[case][2] in str(out) and "wb-error" in str(out), out
+    assert not (evil_model / "RAN").exists() and not (root / "recipes/evil.yaml").exists()
+
+
+@pytest.mark.parametrize("case", EVIL_CASES)
+def test_every_event_of_the_page_that_reads_a_recipe_goes_through_the_gate(root, evil_model, case):
+    """Each event fed the YAML box, the form or the recipe dropdown is called as the page would call it."""
+    from ui import app
+
+    demo = app.build_app(root)
+    text = evil_text(root, evil_model, case)
+    (root / "recipes/evil.yaml").write_text(text)
+    fields = form.widgets_from_dict(yaml.safe_load(text))
+    shown = {"recipe-yaml": text, "recipe-choice": "recipes/evil.yaml",
+             **{"f-" + s.key.replace(".", "-"): v for s, v in zip(form.FIELDS, fields)}}
+    called = []
+    for event in demo.fns.values():
+        ids = [getattr(c, "elem_id", None) for c in event.inputs]
+        if not set(ids) & set(shown):
+            continue
+        out = event.fn(*(shown.get(i, c.value) for c, i in zip(event.inputs, ids)))
+        called.append(event.name)
+        assert EVIL_CASES[case][2] in str(out) and "wb-error" in str(out), event.name
+    assert not (evil_model / "RAN").exists()
+    assert {"estimate", "preview_data", "on_launch", "on_form", "on_yaml", "on_load", "<lambda>"} <= set(called)
+
+
+@pytest.mark.parametrize("case", EVIL_CASES)
+def test_chat_refuses_a_run_recipe_with_remote_code_or_an_outside_model(h, root, evil_model, case):
+    run = root / "runs/evil"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "recipe.yaml").write_text(evil_text(root, evil_model, case))
+    assert EVIL_CASES[case][2] in h.chat("evil", "hi")[-1]
+    assert not (evil_model / "RAN").exists()
+
+
+def test_a_model_named_relative_to_where_the_server_runs_is_not_loaded_from_there(h, root, evil_model, monkeypatch):
+    """Estimate and Chat load the model in the server's process, which looks a relative name up from the folder
+    it was started in: a folder there, outside the workspace, is refused."""
+    monkeypatch.chdir(evil_model.parent)
+    _, status, _ = h.estimate(tiny_text("x", f"model.path={evil_model.name}"), 1, 1, "cpu", None, None)
+    assert "outside the workspace" in status and "wb-error" in status
+    assert "outside the workspace" in h.launch(tiny_text("x", f"model.path={evil_model.name}"), 1)[1]
+
+
+def test_save_says_what_is_wrong_with_the_path(h, root):
+    (root / "runs/x").mkdir(parents=True)
+    for path in ("recipes/../runs/x/recipe.yaml", "runs/x/recipe.yaml"):
+        status = h.save_recipe(path, tiny_text("x"))
+        assert "Save as: " in status and "inside the run directory runs/x" in status, path
+        assert "symbolic link" not in status
+    status = h.save_recipe("recipes/../notes/x.yaml", tiny_text("x"))
+    assert "Save as: " in status and "not under recipes/" in status and "symbolic link" not in status
+    (root / "recipes/link").symlink_to(root / "runs/x")
+    status = h.save_recipe("recipes/link/recipe.yaml", tiny_text("x"))
+    assert "Save as: " in status and "symbolic link" in status
+    assert not list(root.glob("runs/x/*")) and not (root / "notes").exists()

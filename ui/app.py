@@ -334,12 +334,14 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: str | tuple[str, str
     demo.queue(default_concurrency_limit=4)
     from starlette.middleware import Middleware
 
-    from .guard import Guard, allowed_hosts
+    from .guard import Guard, allowed_hosts, allowed_origins, no_forwarded_headers, trusted_proxy
 
-    guard = Middleware(Guard, hosts=allowed_hosts(host))  # Host/Origin checks, login back-off
-    demo.launch(server_name=host, server_port=port, auth=auth, share=False, theme=style.THEME, css=style.CSS,
-                allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False, show_error=True,
-                app_kwargs={"middleware": [guard]})
+    # Host/Origin checks and the login back-off; the guard, not uvicorn, decides whose X-Forwarded-For to believe
+    guard = Middleware(Guard, hosts=allowed_hosts(host), origins=allowed_origins(), proxy=trusted_proxy())
+    with no_forwarded_headers():
+        demo.launch(server_name=host, server_port=port, auth=auth, share=False, theme=style.THEME, css=style.CSS,
+                    allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False,
+                    show_error=True, app_kwargs={"middleware": [guard]})
     if block:
         login = ", login required" if auth else ""
         print(f"LoRA Workbench UI on http://{host}:{demo.server_port}/ (workspace {workspace.root}{login}). "

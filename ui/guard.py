@@ -2,13 +2,19 @@
 
 - The Host header must name this server. A page on another site can make a browser send requests to
   127.0.0.1 through a domain it controls (DNS rebinding); such requests carry that domain as Host.
-- An Origin header, when a browser sends one, must name this server too (no cross-site requests).
+- An Origin header, when a browser sends one, must be this server's own origin (no cross-site requests): the
+  scheme it was reached by, the port the browser reached (the Host header's) and one of its names; or an origin
+  listed in full in WORKBENCH_UI_ALLOWED_HOSTS (a reverse proxy's public address). Another port or scheme on
+  the same machine is another site: any local program can serve a page there.
 - Wrong logins back off: after MAX_FAILURES in a row from one client, each further try waits longer
-  (429 with Retry-After), doubling up to MAX_LOCKOUT_S.
+  (429 with Retry-After), doubling up to MAX_LOCKOUT_S. The client is the connection's peer. X-Forwarded-For
+  names it only when that peer is the reverse proxy named in WORKBENCH_UI_TRUSTED_PROXY: from anyone else the
+  header holds whatever a guesser writes, a new address per guess.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -20,7 +26,13 @@ WILDCARDS = {"0.0.0.0", "::", ""}
 MAX_FAILURES = 5
 FIRST_LOCKOUT_S = 2.0
 MAX_LOCKOUT_S = 300.0
-ALLOWED_HOSTS_ENV = "WORKBENCH_UI_ALLOWED_HOSTS"  # extra names (a reverse proxy's, say), comma-separated
+DEFAULT_PORTS = {"http": 80, "https": 443}
+ALLOWED_HOSTS_ENV = "WORKBENCH_UI_ALLOWED_HOSTS"  # extra names or origins (a reverse proxy's), comma-separated
+TRUSTED_PROXY_ENV = "WORKBENCH_UI_TRUSTED_PROXY"  # the address a reverse proxy in front of the server connects from
+
+
+def _extra() -> list[str]:
+    return [n.strip().lower() for n in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if n.strip()]
 
 
 def allowed_hosts(bind: str) -> set[str]:
@@ -33,8 +45,33 @@ def allowed_hosts(bind: str) -> set[str]:
             names |= set(socket.gethostbyname_ex(hostname)[2])
         except OSError:
             pass
-    names |= {n.strip().lower() for n in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if n.strip()}
+    names |= {_hostname(n) for n in _extra()}
     return names - WILDCARDS
+
+
+def allowed_origins() -> set[tuple[str, str, int]]:
+    """The origins listed in full (scheme://name[:port]) in WORKBENCH_UI_ALLOWED_HOSTS: a reverse proxy's."""
+    return {o for o in map(_origin, (n for n in _extra() if "://" in n)) if o}
+
+
+def trusted_proxy() -> str | None:
+    return os.environ.get(TRUSTED_PROXY_ENV, "").strip() or None
+
+
+@contextlib.contextmanager
+def no_forwarded_headers():
+    """While the server starts: uvicorn believes X-Forwarded-For and -Proto from 127.0.0.1 by default
+    (FORWARDED_ALLOW_IPS) and rewrites the client and scheme before the guard sees them. It is told to believe
+    no one; the guard decides."""
+    previous = os.environ.get("FORWARDED_ALLOW_IPS")
+    os.environ["FORWARDED_ALLOW_IPS"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("FORWARDED_ALLOW_IPS", None)
+        else:
+            os.environ["FORWARDED_ALLOW_IPS"] = previous
 
 
 def _hostname(value: str) -> str:
@@ -43,10 +80,32 @@ def _hostname(value: str) -> str:
     return host.lower()
 
 
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an origin; None for "null" (a sandboxed frame) or anything malformed."""
+    parts = urlsplit(url.strip().lower())
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
+
+
+def _address(text: str) -> str:
+    try:  # one spelling per address (::1 and 0:0::1 are the same peer)
+        return str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        return text.strip().lower()
+
+
 class Guard:
-    def __init__(self, app, hosts: set[str]):
+    def __init__(self, app, hosts: set[str], origins: set[tuple[str, str, int]] = frozenset(),
+                 proxy: str | None = None):
         self.app = app
         self.hosts = {h.lower() for h in hosts}
+        self.origins = set(origins)
+        self.proxy = _address(proxy) if proxy else None
         self.failures: dict[str, tuple[int, float]] = {}  # client -> (failures in a row, locked until)
 
     def _allowed(self, host: str) -> bool:
@@ -57,21 +116,40 @@ class Guard:
         except ValueError:
             return False
 
+    def _same_origin(self, origin: str, scope, host: str) -> bool:
+        seen = _origin(origin)
+        if seen is None or seen in self.origins:
+            return seen is not None
+        if seen[1] in {name for _, name, _ in self.origins}:  # a proxy's name: only as listed (https, say)
+            return False
+        scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
+        # the port the browser reached: the Host header's (a port mapping may change it before the socket)
+        own = _origin(f"{scheme}://{host}")
+        return own is not None and (seen[0], seen[2]) == (own[0], own[2]) and self._allowed(seen[1])
+
+    def _client(self, scope, headers: dict[str, str]) -> str:
+        peer = _address((scope.get("client") or ("?",))[0])
+        if self.proxy is None or peer != self.proxy:
+            return peer
+        # the last address is the one the proxy added; earlier ones came with the request
+        forwarded = headers.get("x-forwarded-for", "").split(",")[-1]
+        return _address(forwarded) if forwarded.strip() else peer
+
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if not self._allowed(_hostname(headers.get("host", ""))):
+        host = headers.get("host", "")
+        if not self._allowed(_hostname(host)):
             return await _refuse(scope, send, 403, "host not allowed")
         origin = headers.get("origin")
-        if origin is not None and not self._allowed(_hostname(origin)):  # "null": a sandboxed frame, refused
+        if origin is not None and not self._same_origin(origin, scope, host):
             return await _refuse(scope, send, 403, "origin not allowed")
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").endswith("/login"):
-            return await self._login(scope, receive, send)
+            return await self._login(scope, receive, send, self._client(scope, headers))
         return await self.app(scope, receive, send)
 
-    async def _login(self, scope, receive, send):
-        client = (scope.get("client") or ("?",))[0]
+    async def _login(self, scope, receive, send, client: str):
         count, until = self.failures.get(client, (0, 0.0))
         wait = until - time.monotonic()
         if wait > 0:

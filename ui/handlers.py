@@ -82,13 +82,23 @@ class Handlers:
         self._replace_asked[what] = time.time()
         return False
 
+    def recipe(self, source: str | dict | form.Recipe) -> form.Recipe:
+        """The recipe of YAML text, a mapping or a loaded recipe, validated; PathError unless every file it names
+        lies inside the workspace and it runs no model code the server was not started to allow. The one gate
+        of every handler that reads a recipe: a handler that skipped it once ran a model's own code."""
+        if isinstance(source, str):
+            source = form.recipe_from_yaml(source)
+        elif isinstance(source, dict):
+            source = form.validate(source)
+        self.ws.check_recipe_paths(source, self.allow_remote_code)
+        return source
+
     # -- Configure ------------------------------------------------------------------------------
 
     def check(self, data: dict) -> tuple[str, dict[str, list[str]]]:
         """(status html, {section: problems}) for a recipe mapping, from the CLI's validator."""
         try:
-            recipe = form.validate(data)
-            self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            recipe = self.recipe(data)
         except WorkbenchError as err:
             return status_html("error", str(err)), error_sections(str(err))
         objective = recipe.training.objective
@@ -129,7 +139,7 @@ class Handlers:
         """Save the YAML as shown, after validation, to a .yaml file inside the workspace."""
         try:
             path = self.ws.saved_recipe_file(relative or "")
-            self.ws.check_recipe_paths(form.recipe_from_yaml(text), self.allow_remote_code)
+            self.recipe(text)
         except WorkbenchError as err:
             return status_html("error", f"not saved: {err}")
         text = text if text.endswith("\n") else text + "\n"
@@ -151,8 +161,7 @@ class Handlers:
 
         try:
             count = _rows_to_show(rows, self.PREVIEW_MAX_ROWS)
-            recipe = form.recipe_from_yaml(text)
-            self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            recipe = self.recipe(text)
             printed = (runner or self._run_preview)(recipe.to_yaml(), count)
             preview = DataPreview.from_json(json.loads(printed))
         except (WorkbenchError, ValueError) as err:
@@ -198,7 +207,7 @@ class Handlers:
                  device_memory_gib: float | None, price: float | None, estimator=None):
         """(figure, summary html, strategies table) from workbench.memory.estimate."""
         try:
-            recipe = form.recipe_from_yaml(text)
+            recipe = self.recipe(text)
             if estimator is None:
                 from workbench.memory import estimate as estimator
             memory = int(device_memory_gib * GIB) if device_memory_gib else None
@@ -231,8 +240,8 @@ class Handlers:
         """(job name, status html): validate the YAML and start the CLI in a subprocess. A run directory that
         already holds a run is replaced only with `replace` ticked and a second Launch to confirm."""
         try:
-            recipe = form.recipe_from_yaml(text)
-            run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)
+            recipe = self.recipe(text)
+            run_path = self.ws.resolve(str(recipe.run_dir), what="output.dir")
             job = self.jobs.status(recipe.name)
             if job is not None and job.state in ("running", "stopping"):
                 return None, status_html("error", f"not launched: job {recipe.name} is still running: stop it first")
@@ -361,8 +370,7 @@ class Handlers:
             run_dir = self.ws.run_dir(name)
             from workbench.recipe import Recipe
 
-            # the run's own recipe names the model to load: it passes the same checks as a launch
-            self.ws.check_recipe_paths(Recipe.load(run_dir / "recipe.yaml"), self.allow_remote_code)
+            self.recipe(Recipe.load(run_dir / "recipe.yaml"))  # it names the model to load
             tokens = int(max_new_tokens or 64)
             base = generate(run_dir, prompt, base=True, max_new_tokens=tokens)
             tuned = generate(run_dir, prompt, base=False, max_new_tokens=tokens)

@@ -41,12 +41,12 @@ class Workspace:
     def relative(self, path: Path) -> str:
         return path.resolve().relative_to(self.root).as_posix()
 
-    def recipe_file(self, relative: str, *, must_exist: bool = True) -> Path:
-        path = self.resolve(relative, what="recipe file")
+    def recipe_file(self, relative: str, *, must_exist: bool = True, what: str = "recipe file") -> Path:
+        path = self.resolve(relative, what=what)
         if path.suffix not in RECIPE_SUFFIXES:
-            raise PathError(f"recipe file: {relative} must end in .yaml or .yml")
+            raise PathError(f"{what}: {relative} must end in .yaml or .yml")
         if must_exist and not path.is_file():
-            raise PathError(f"recipe file: {relative} does not exist")
+            raise PathError(f"{what}: {relative} does not exist")
         return path
 
     @property
@@ -106,17 +106,29 @@ class Workspace:
         model = recipe.model.path
         if model.startswith((".", "/", "~")) or (self.root / model).exists():
             self.resolve(model, what="model.path")  # a local folder (builtin: names and hub ids are not files)
+        here = Path(model).expanduser()
+        if here.exists() and not self._inside(here):
+            # Estimate and Chat load the model in this process, where a relative name is looked up from the
+            # folder the server was started in
+            raise PathError(f"model.path: {model} is the folder {here.resolve()}, outside the workspace {self.root}; "
+                            "refused")
         return run_dir
 
     def saved_recipe_file(self, relative: str) -> Path:
         """Where Save may write: a .yaml under recipes/ (never a run's own recipe or the UI's records)."""
-        path = self.recipe_file(relative, must_exist=False)
+        what = "Save as"  # the field the path was typed in
+        path = self.recipe_file(relative, must_exist=False, what=what)
         recipes = self.root / "recipes"
         unresolved = Path(os.path.normpath(self.root / str(relative).strip()))
-        if (recipes.is_symlink() or unresolved.is_symlink() or path != unresolved
-                or not path.is_relative_to(recipes)):
-            raise PathError(f"recipe file: {relative} must be a file under recipes/, not a symbolic link "
-                            "(runs keep their own recipe)")
+        if recipes.is_symlink() or unresolved.is_symlink() or path != unresolved:
+            raise PathError(f"{what}: {relative} goes through a symbolic link (to {self.relative(path)}); refused")
+        inside_runs = path.relative_to(self.runs_dir).parts if path.is_relative_to(self.runs_dir) else ()
+        if len(inside_runs) > 1:
+            raise PathError(f"{what}: {relative} is inside the run directory runs/{inside_runs[0]}, which keeps its "
+                            "own recipe; save under recipes/")
+        if not path.is_relative_to(recipes):
+            raise PathError(f"{what}: {relative} is not under recipes/ (it is {self.relative(path)}); "
+                            "save under recipes/")
         return path
 
     def _inside(self, path: Path) -> bool:
