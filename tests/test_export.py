@@ -258,3 +258,25 @@ def test_the_cli_merges_evaluates_and_shows_scores_in_the_runs_table(tiny_run, t
     assert main(["runs", str(tmp_path / "runs")]) == 0
     table = capsys.readouterr().out
     assert f"{printed['tuned']['eval_loss']:.4g}" in table and f"{printed['base']['eval_loss']:.4g}" in table
+
+
+@pytest.mark.parametrize("damage", ["weights cut short", "config cut short"])
+def test_a_damaged_adapter_is_one_line_naming_the_file_and_merge_leaves_nothing(tiny_run, tmp_path, capsys, damage):
+    import shutil
+
+    from workbench.cli import main
+
+    run_dir = tmp_path / "runs" / "copy"
+    shutil.copytree(tiny_run.run_dir, run_dir)
+    name = "adapter_model.safetensors" if damage == "weights cut short" else "adapter_config.json"
+    damaged = run_dir / "adapter" / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 3])
+    before = sorted(run_dir.rglob("*"))
+    with pytest.raises(WorkbenchError, match=rf"^{damaged}: damaged adapter"):
+        load_for_inference(run_dir, device="cpu")
+    for argv in (["merge", str(run_dir)], ["generate", str(run_dir), "--prompt", "hi"]):
+        capsys.readouterr()
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {damaged}: damaged adapter"), (argv, err)
+    assert sorted(run_dir.rglob("*")) == before  # no merged/ or merged.tmp/ left

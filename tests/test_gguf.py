@@ -173,9 +173,19 @@ def test_the_gguf_carries_the_training_tokenizers_chat_template_eos_and_vocabula
     assert info["types"]["blk.0.attn_norm.weight"] == info["types"]["output_norm.weight"] == "F32"
 
 
+def modelfile_body(path: Path) -> str:
+    """A Modelfile after its first line, which marks it as the export's own (with the hash of the rest)."""
+    import hashlib
+
+    first, _, body = path.read_text().partition("\n")
+    assert first == ("# Written by workbench export (replaced by the next export into this folder unless edited) "
+                     f"sha256:{hashlib.sha256(body.encode()).hexdigest()}")
+    return body
+
+
 def test_the_modelfile_names_the_file_translates_chatml_and_stops_at_eos(tiny_exports):
     path = tiny_exports["q8_0"]  # exported last into the shared folder: the Modelfile is its
-    assert path.with_name("Modelfile").read_text() == (
+    assert modelfile_body(path.with_name("Modelfile")) == (
         "FROM ./tiny-q8_0.gguf\n"
         'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'
         '{{ range .Messages }}{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
@@ -252,7 +262,7 @@ def test_a_llama3_style_template_translates_and_others_are_left_to_the_embedded_
         "{{ .Content }}<|eot_id|>{{ end }}{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n")
     mistral = with_template(tiny_tokenizer, MISTRAL_TEMPLATE)
     assert ollama_template(mistral) is None
-    modelfile = write_modelfile(tmp_path / "m.gguf", mistral, None).read_text()
+    modelfile = modelfile_body(write_modelfile(tmp_path / "m.gguf", mistral, None))
     assert 'TEMPLATE """' not in modelfile and "# The chat template has no Go translation" in modelfile
     assert modelfile.startswith("FROM ./m.gguf\n") and modelfile.endswith('PARAMETER stop "<|im_end|>"\n')
 
@@ -381,3 +391,131 @@ def test_the_cli_exports_a_run_to_its_gguf_folder(tiny_run, tmp_path, capsys):
     assert main(["export", str(run), "--quant", "int4"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "error: --quant: must be one of f16, f32, q8_0, got 'int4'"
+
+
+# -- what an export may replace, and what it leaves behind ------------------------------------------
+
+
+def cli_error(argv, capsys) -> tuple[int, list[str]]:
+    """The exit code and the lines on stderr of one CLI command."""
+    from workbench.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def tree(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_an_existing_file_that_is_not_an_earlier_export_is_never_replaced(tiny_run, tmp_path, capsys):
+    models = tmp_path / "models"
+    models.mkdir()
+    mine = models / "my-llama70b.gguf"
+    mine.write_bytes(b"not a gguf at all, and the only copy")
+    before = tree(models)
+    with pytest.raises(WorkbenchError, match=rf"^--out: {mine} exists and was not written by workbench export"):
+        export(tiny_run, out=mine)
+    code, err = cli_error(["export", str(tiny_run), "--out", str(mine)], capsys)
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: --out: {mine} exists and was not written")
+    assert tree(models) == before
+
+    # a real GGUF written by another tool is not this workbench's to replace either
+    writer = gguf.GGUFWriter(path=None, arch="llama")
+    writer.add_name("someone else's model")
+    writer.write_header_to_file(path=mine)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    before = tree(models)
+    with pytest.raises(WorkbenchError, match=rf"^--out: {mine} exists and was not written by workbench export"):
+        export(tiny_run, out=mine)
+    assert tree(models) == before
+
+
+def test_a_modelfile_the_export_did_not_write_is_never_replaced(tiny_run, tmp_path, capsys):
+    folder = tmp_path / "ollama"
+    folder.mkdir()
+    handwritten = folder / "Modelfile"
+    handwritten.write_text("FROM ./llama70b.gguf\nSYSTEM \"You are my own model.\"\n")
+    with pytest.raises(WorkbenchError, match=rf"^--out: {handwritten} exists and was not written by workbench export"):
+        export(tiny_run, out=folder / "tiny.gguf")
+    code, err = cli_error(["export", str(tiny_run), "--out", str(folder / "tiny.gguf")], capsys)
+    assert code == 1 and len(err) == 1 and str(handwritten) in err[0]
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile"]
+    assert handwritten.read_text().startswith("FROM ./llama70b.gguf\n")
+
+
+def test_an_earlier_export_is_replaced_but_not_once_its_modelfile_was_edited(tiny_run, tmp_path):
+    out = tmp_path / "exports" / "tiny.gguf"
+    export(tiny_run, quant="q8_0", out=out)
+    export(tiny_run, quant="f32", out=out)  # the earlier export, GGUF and Modelfile, is replaced
+    assert metadata(out)["fields"]["general.file_type"] == gguf.LlamaFileType.ALL_F32
+    modelfile = out.with_name("Modelfile")
+    modelfile.write_text(modelfile.read_text() + 'SYSTEM "Answer in French."\n')  # the user's own change
+    before = tree(out.parent)
+    with pytest.raises(WorkbenchError, match=rf"^--out: {modelfile} exists and was not written by workbench export"):
+        export(tiny_run, out=out)
+    assert tree(out.parent) == before
+
+
+def test_a_file_put_at_the_out_path_while_the_export_runs_is_not_replaced(tiny_run, tmp_path, monkeypatch):
+    import workbench.gguf_export as gguf_export
+
+    out = tmp_path / "race" / "tiny.gguf"
+    real = gguf_export.add_tokenizer
+
+    def meanwhile(*args, **kwargs):
+        out.write_bytes(b"the user's file, saved while the merge ran")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_export, "add_tokenizer", meanwhile)
+    with pytest.raises(WorkbenchError, match=rf"^--out: {out} exists and was not written by workbench export"):
+        export(tiny_run, out=out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.gguf"]
+    assert out.read_bytes() == b"the user's file, saved while the merge ran"
+
+
+def test_a_truncated_adapter_is_one_line_naming_it_in_export_generate_and_merge(tiny_run, tmp_path, capsys):
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(tiny_run, run)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    before = tree(run)
+    for argv in (["export", str(run)], ["generate", str(run), "--prompt", "hi"], ["merge", str(run)]):
+        code, err = cli_error(argv, capsys)
+        assert code == 1 and len(err) == 1, (argv, err)
+        assert err[0].startswith(f"error: {weights}: damaged adapter"), (argv, err)
+    assert tree(run) == before  # no empty gguf/ or merged/ left behind
+    with pytest.raises(WorkbenchError, match="adapter_model.safetensors: damaged adapter"):
+        export(run, out=tmp_path / "new" / "deeper" / "x.gguf")
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line_naming_the_users_path(tiny_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A read-only folder (simulated: the tests may run as root, whom permissions do not stop)."""
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refuse(path):
+        if Path(path).parent == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    def mkdir(path, *args, **kwargs):
+        refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            refuse(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    out = locked / "tiny.gguf"
+    code, err = cli_error(["export", str(tiny_run), "--out", str(out)], capsys)
+    assert code == 1 and err == [f"error: --out: cannot write {out} (Permission denied)"]
+    assert not any(locked.iterdir())

@@ -185,9 +185,11 @@ def test_a_replacement_that_cannot_move_everything_aside_puts_it_all_back(tiny_r
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
+    contents = {p: p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
     with pytest.raises(WorkbenchError, match="cannot replace the earlier run .* left as it was"):
         train(tiny_recipe.override("training.max_steps=1"), overwrite=True, progress_bar=False)
     assert sorted(p.relative_to(done.run_dir) for p in done.run_dir.rglob("*")) == before
+    assert {p: p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()} == contents
 
 
 @pytest.mark.parametrize("out", ["runs/{name.upper}", "runs/{name!r}", "runs/{name:>9}", "runs/{}"])
@@ -296,3 +298,110 @@ def test_a_rank_above_the_models_width_is_warned_about():
     (warning,) = preflight(recipe, None, load_config(recipe.model))
     assert "adapter.r=100000 is larger than the model's width (128)" in warning
     assert preflight(Recipe.load("recipes/tiny.yaml"), None, load_config(recipe.model)) == []
+
+
+def users_own_files(run_dir: Path) -> dict:
+    """What a user keeps in a run directory beside the run: notes, and an export of it."""
+    (run_dir / "NOTES.txt").write_text("lr 3e-3 diverged on the long rows; try 1e-3")
+    (run_dir / "gguf").mkdir()
+    (run_dir / "gguf" / "tiny-q8_0.gguf").write_bytes(b"GGUF exported from the earlier run")
+    (run_dir / "gguf" / "Modelfile").write_text("FROM ./tiny-q8_0.gguf\n")
+    return {p.relative_to(run_dir): p.read_bytes() for p in [run_dir / "NOTES.txt", *(run_dir / "gguf").iterdir()]}
+
+
+def test_overwrite_replaces_only_the_runs_own_files_and_names_what_it_kept(tiny_recipe):
+    recipe = tiny_recipe.override("training.max_steps=2", "output.save_every=1")
+    done = train(recipe, progress_bar=False)
+    mine = users_own_files(done.run_dir)
+    old_adapter = (done.run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.warns(UserWarning, match=r"kept .*: NOTES\.txt, gguf/$"):
+        again = train(recipe.override("training.max_steps=1", "output.save_every=null"), overwrite=True,
+                      progress_bar=False)
+    assert {p: (done.run_dir / p).read_bytes() for p in mine} == mine
+    assert again.summary["status"] == "completed" and again.summary["steps"] == 1
+    assert (done.run_dir / "adapter" / "adapter_model.safetensors").read_bytes() != old_adapter
+    assert sorted(p.name for p in done.run_dir.iterdir()) == ["NOTES.txt", "adapter", "gguf", "metrics.jsonl",
+                                                              "recipe.yaml", "run.json"]  # old checkpoints gone
+
+
+KILL_AT = r"""
+import json, os, shutil, sys
+from pathlib import Path
+from workbench.runs import RunDir
+
+source, work = Path(sys.argv[1]), Path(sys.argv[2])
+states = []
+for k in range(1, 100):  # a kill -9 before the k-th step that changes the folder
+    run_dir = work / f"kill-{k}"
+    shutil.copytree(source, run_dir, symlinks=True)
+    pid = os.fork()
+    if pid == 0:
+        calls = [0]
+
+        def killed_before(function):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == k:
+                    os._exit(9)  # no cleanup of any kind, as kill -9
+                return function(*args, **kwargs)
+            return call
+
+        for name in ("rename", "replace", "mkdir", "unlink", "rmdir"):
+            setattr(os, name, killed_before(getattr(os, name)))
+        shutil.rmtree = killed_before(shutil.rmtree)
+        shutil.copy2 = killed_before(shutil.copy2)
+        run = RunDir(run_dir)
+        run.claim(resume=False, overwrite=True)
+        run.clear()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    states.append(str(run_dir))
+    if os.waitstatus_to_exitcode(status) == 0:
+        break
+print(json.dumps(states))
+"""
+
+
+def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_and_replaces_cleanly(tiny_recipe,
+                                                                                                tmp_path):
+    from workbench.preflight import check_output_dir
+
+    recipe = tiny_recipe.override("training.max_steps=2", "output.save_every=1", "output.keep_last=2")
+    done = train(recipe, progress_bar=False)
+    mine = users_own_files(done.run_dir)
+    old = {p.relative_to(done.run_dir): p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    work = tmp_path / "kills"
+    work.mkdir()
+    script = subprocess.run([sys.executable, "-c", KILL_AT, str(done.run_dir), str(work)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0, script.stderr[-3000:]
+    states = [Path(p) for p in json.loads(script.stdout.strip().splitlines()[-1])]
+    assert len(states) > 5  # the last one finished; each earlier one was killed at a later point
+    for state in states:
+        assert {p: (state / p).read_bytes() for p in mine} == mine, state  # the user's files, always
+        run = load_run(state)  # always a run directory that reads
+        if run.summary["status"] == "completed":  # the earlier run, whole (its checkpoints may be gone)
+            for name, data in old.items():
+                if name.parts[0] != "checkpoints":
+                    assert (state / name).read_bytes() == data, (state, name)
+        else:  # the new run's record: it died starting, and nothing of the old run can be resumed
+            assert run.summary["status"] == "died", state
+            assert RunDir(state).latest_checkpoint() is None, state
+        if RunDir(state).latest_checkpoint() is not None:  # the old run as it was
+            assert run.summary["status"] == "completed"
+        resume = RunDir(state)
+        with pytest.raises(WorkbenchError, match="nothing to resume|no complete checkpoint"):
+            resume.claim(resume=True, overwrite=False)
+        resume.release()
+        check_output_dir(recipe.override(f"output.dir={state}"))  # an --overwrite is accepted ...
+        again = RunDir(state)
+        again.claim(resume=False, overwrite=True)
+        with pytest.warns(UserWarning, match="kept"):
+            again.clear()  # ... and leaves the user's files and a new run's record, nothing else
+        again.release()
+        assert sorted(p.name for p in state.iterdir()) == ["NOTES.txt", "gguf", "run.json"], state
+    middle = states[len(states) // 2]
+    with pytest.warns(UserWarning, match=r"kept .*: NOTES\.txt, gguf/$"):
+        result = train(recipe.override(f"output.dir={middle}", "training.max_steps=1"), overwrite=True,
+                       progress_bar=False)
+    assert result.summary["status"] == "completed" and {p: (middle / p).read_bytes() for p in mine} == mine

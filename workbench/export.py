@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -62,9 +63,7 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     tokenizer = _tokenizer(run.adapter_dir if (run.adapter_dir / "tokenizer_config.json").exists() else base_path)
     if not base:
         check_adapter(source, run.adapter_dir)
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, run.adapter_dir)
+        model = load_adapter(model, run.adapter_dir)
     return model.eval(), tokenizer
 
 
@@ -77,6 +76,43 @@ def check_adapter(source, adapter_dir: Path) -> None:
     if missing:
         raise WorkbenchError(f"{adapter_dir}: damaged adapter ({', '.join(missing)} missing); resume the run from "
                              "its last checkpoint (--resume) to write it again")
+    config = adapter_dir / "adapter_config.json"
+    try:
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            raise ValueError("not a mapping")
+    except (OSError, ValueError) as err:
+        raise WorkbenchError(f"{config}: damaged adapter (not a readable JSON mapping: {err}); {DAMAGED_ADVICE}") \
+            from None
+    check_weights(adapter_dir / "adapter_model.safetensors")
+
+
+DAMAGED_ADVICE = "restore it from a copy, or train the run again (--overwrite)"
+
+
+def check_weights(file: Path) -> None:
+    """A safetensors file whose header reads and whose data covers what the header lists (a truncated copy,
+    a disk that filled up, a download cut short fail here): one line naming it, before anything is loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as handle:
+            handle.keys()
+    except (SafetensorError, OSError) as err:
+        reason = str(err).removeprefix("Error while deserializing header: ")
+        raise WorkbenchError(f"{file}: damaged adapter (not a complete safetensors file: {reason}); "
+                             f"{DAMAGED_ADVICE}") from None
+
+
+def load_adapter(model, adapter_dir: Path):
+    """The PEFT adapter on `model`; weights that cannot be read are one line naming the file."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+
+    try:
+        return PeftModel.from_pretrained(model, adapter_dir)
+    except SafetensorError as err:
+        raise WorkbenchError(f"{adapter_dir / 'adapter_model.safetensors'}: damaged adapter ({err}); "
+                             f"{DAMAGED_ADVICE}") from None
 
 
 def _tokenizer(path):
@@ -166,12 +202,10 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
         tokenizer = _tokenizer(full_model)
     else:
         check_adapter(run.path, run.adapter_dir)
-        from peft import PeftModel
-
         model_cfg = run.recipe.get("model", {})
         base_path = resolve_model_path(model_cfg["path"])
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype], **_hub_options(model_cfg))
-        model = PeftModel.from_pretrained(base, run.adapter_dir).merge_and_unload()
+        model = load_adapter(base, run.adapter_dir).merge_and_unload()
         tokenizer = _tokenizer(run.adapter_dir)
     model.config.use_cache = True  # training may have switched it off for gradient checkpointing
     generation = model.generation_config

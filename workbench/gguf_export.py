@@ -7,6 +7,7 @@ same tensor names, q/k row order, metadata keys, tokenizer fields and file types
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -73,13 +74,16 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
         out = Path(out) if out else run.path / "gguf" / f"{run.name}-{quant}.gguf"
         check_out(out, run.path)
         check_architecture(run.path, _run_model_config(run))
-        with merged_run(run, out.parent) as folder:
+        check_writable(out)
+        with new_folders_removed_on_failure(out.parent), writing(out), merged_run(run, out.parent) as folder:
             return write_gguf(folder, out, quant, name=run.name)
     folder, name = local_model(source)
     out = Path(out) if out else Path("gguf") / f"{name}-{quant}.gguf"
     check_out(out, None)
     check_architecture(source, _config(folder))
-    return write_gguf(folder, out, quant, name=name)
+    check_writable(out)
+    with new_folders_removed_on_failure(out.parent), writing(out):
+        return write_gguf(folder, out, quant, name=name)
 
 
 # -- checks, before anything slow -------------------------------------------------------------
@@ -94,9 +98,10 @@ RUN_PARTS = ("adapter", "model", "merged", "checkpoints")  # what a run saves; p
 
 
 def check_out(out: Path, run_path: Path | None) -> None:
-    """A .gguf file path; an earlier export there is replaced, nothing else is (the run's own files least of all)."""
+    """A .gguf file path. What exists there, and the Modelfile beside it, is replaced only when an earlier export
+    wrote it (recorded inside each: see `is_earlier_export`); nothing else is, the run's own files least of all."""
     target = out.resolve()
-    replaceable = target.is_file() and target.suffix == ".gguf"
+    replaceable = target.is_file() and target.suffix == ".gguf" and is_earlier_export(target)
     if run_path is not None and target.exists() and not replaceable and target.is_relative_to(run_path.resolve()):
         raise WorkbenchError(f"--out: {out} already exists inside the run {run_path}; name a new .gguf file")
     if run_path is not None and any(target.is_relative_to(run_path.resolve() / part) for part in RUN_PARTS):
@@ -104,8 +109,95 @@ def check_out(out: Path, run_path: Path | None) -> None:
                              "they are); the default is RUN/gguf/")
     if out.suffix != ".gguf":
         raise RecipeError(f"--out: must be a path ending in .gguf, got {out}")
-    if target.exists() and not replaceable:
-        raise WorkbenchError(f"--out: {out} exists and is not a file; name a new .gguf file")
+    check_replaceable(out)
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse to replace a file at `out` or a Modelfile beside it that an earlier export did not write. Checked
+    before any work and again just before the files are put in place."""
+    if (out.exists() or out.is_symlink()) and not is_earlier_export(out):
+        raise WorkbenchError(f"--out: {out} exists and was not written by workbench export (only its own exports "
+                             "are replaced); name a new .gguf file")
+    modelfile = out.with_name("Modelfile")
+    if (modelfile.exists() or modelfile.is_symlink()) and not is_our_modelfile(modelfile):
+        raise WorkbenchError(f"--out: {modelfile} exists and was not written by workbench export (or was edited "
+                             "since); export into another folder, or move it")
+
+
+# Written into every exported GGUF: the mark of a file that a later export may replace.
+EXPORT_KEY = "lora_workbench.export"
+
+
+def is_earlier_export(path: Path) -> bool:
+    """Whether `path` is a GGUF file this workbench wrote (its metadata holds EXPORT_KEY)."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        with path.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                return False
+        return EXPORT_KEY in gguf.GGUFReader(path).fields
+    except Exception:  # a damaged or foreign file fails in the reader in many ways; none of them is ours
+        return False
+
+
+# The first line of every Modelfile an export writes; the hash is that of the lines after it, so a Modelfile the
+# user edited (a SYSTEM line, a PARAMETER) is never replaced.
+MODELFILE_MARK = "# Written by workbench export (replaced by the next export into this folder unless edited) sha256:"
+
+
+def is_our_modelfile(path: Path) -> bool:
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        first, _, rest = path.read_text(encoding="utf-8").partition("\n")
+    except (OSError, ValueError):
+        return False
+    return first == MODELFILE_MARK + hashlib.sha256(rest.encode("utf-8")).hexdigest()
+
+
+def check_writable(out: Path) -> None:
+    """The output's folder (or the nearest one that exists) takes a file: a read-only folder fails here, in
+    seconds, not after the merge."""
+    folder = out.parent.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{out.name}.{os.getpid()}.probe", suffix=".tmp"):
+            pass
+    except OSError as err:
+        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None
+
+
+@contextmanager
+def writing(out: Path, every_error: bool = False):
+    """An error writing the export's temporary files (in the output's folder) names the user's path, not the
+    temporary one; with every_error, so does any OSError (a full disk names no file)."""
+    try:
+        yield
+    except OSError as err:
+        mine = err.filename is not None and Path(err.filename).absolute().is_relative_to(out.parent.absolute())
+        if not (mine or every_error):
+            raise
+        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None
+
+
+@contextmanager
+def new_folders_removed_on_failure(folder: Path):
+    """The folders made for the output (`folder` and any missing parents) are removed again if the export fails."""
+    missing, path = [], folder.absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    try:
+        yield
+    except BaseException:
+        for path in missing:  # the deepest first; one that is not empty stops it
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def architecture_of(config) -> str:
@@ -203,18 +295,26 @@ def write_gguf(folder: Path, out: Path, quant: str, name: str) -> Path:
         stored = _stored_type(gguf_name, data, tensor_type)
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, stored), raw_dtype=stored)
 
+    modelfile = modelfile_text(out, tokenizer, _generation_config(folder))
+
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
-    staging = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
+    writer_id = f"{os.getpid()}.{threading.get_ident()}"  # one staging name per writer
+    staging = out.with_name(f".{out.name}.{writer_id}.tmp")
+    staged_modelfile = out.with_name(f".{out.name}.Modelfile.{writer_id}.tmp")
     try:
-        writer.write_header_to_file(path=staging)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(staging, out)  # a crash never leaves a half-written .gguf under the final name
+        with writing(out, every_error=True):
+            writer.write_header_to_file(path=staging)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+            staged_modelfile.write_text(modelfile, encoding="utf-8")
+            check_replaceable(out)  # again: a file may have been put there while the model was merged
+            os.replace(staging, out)  # a crash never leaves a half-written .gguf under the final name
+            os.replace(staged_modelfile, out.with_name("Modelfile"))
     finally:
         staging.unlink(missing_ok=True)
-    write_modelfile(out, tokenizer, _generation_config(folder))
+        staged_modelfile.unlink(missing_ok=True)
     return out
 
 
@@ -223,6 +323,7 @@ def add_model_metadata(writer, config, name: str, file_type) -> None:
     rope = _rope(config)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
+    writer.add_string(EXPORT_KEY, name)  # what lets a later export replace this file (is_earlier_export)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -417,6 +518,12 @@ def _generation_config(folder: Path):
 
 def write_modelfile(gguf_path: Path, tokenizer, generation) -> Path:
     """`ollama create NAME -f Modelfile`: the file, its chat template in Go syntax, and every stop token."""
+    path = gguf_path.with_name("Modelfile")
+    path.write_text(modelfile_text(gguf_path, tokenizer, generation), encoding="utf-8")
+    return path
+
+
+def modelfile_text(gguf_path: Path, tokenizer, generation) -> str:
     lines = [f"FROM ./{gguf_path.name}"]
     template = ollama_template(tokenizer)
     if template is not None:
@@ -426,9 +533,8 @@ def write_modelfile(gguf_path: Path, tokenizer, generation) -> Path:
                   "# (tokenizer.chat_template) when it recognises it; write a TEMPLATE here if it does not."]
     for text in stop_texts(tokenizer, generation):
         lines.append(f"PARAMETER stop {json.dumps(text, ensure_ascii=False)}")
-    path = gguf_path.with_name("Modelfile")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    body = "\n".join(lines) + "\n"
+    return f"{MODELFILE_MARK}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
 
 
 def stop_texts(tokenizer, generation) -> list[str]:

@@ -1,6 +1,6 @@
 """Run directories: the files a run writes, and the readers every comparison (CLI, API, UI) uses.
 
-runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/
+runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/ (RUN_ENTRIES: all of them)
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,12 @@ from .errors import WorkbenchError
 from .metrics import read_metrics
 
 CHECKPOINT_PREFIX = "step-"
+# What a training run writes into its directory besides run.json (its trackers' folders included), and the
+# names of its writes in progress (staged adapters, replaced ones, temporary records, an interrupted
+# replacement). An --overwrite removes these and nothing else: notes, `workbench merge` and `export`
+# folders and any other file of the user's stay.
+RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns")
+LEFTOVERS = (".tmp-", ".old-", ".replaced-", ".run.json.", ".workbench-write-test-")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -92,25 +99,68 @@ class RunDir:
             for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):  # a write a crash cut short
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def clear(self) -> None:
-        """Empty the (claimed) folder for a new run. The folder itself stays: it carries the lock. The old
-        entries are first moved aside by renames, all or none (a failure puts them back and says so),
-        then deleted."""
-        aside = self.path / f".replaced-{os.getpid()}"
-        aside.mkdir()
-        moved = []
+    def clear(self) -> list[str]:
+        """Make the (claimed) folder ready for a new run: remove what the earlier run wrote (RUN_ENTRIES, the
+        record, and what writes cut short left) and keep everything else (notes, exports), naming it in a
+        warning. Returns the kept names. The folder itself stays: it carries the lock.
+
+        Safe against a kill at any point: the earlier run's entries go aside into a folder inside this one by
+        renames, in an order where the folder is always either the earlier run (less its checkpoints) or the
+        record of a new run that died starting (status running, no checkpoint to resume):
+          1. the checkpoints and leftovers go aside;
+          2. run.json is replaced in one rename by the new run's record (a copy of the old one goes aside);
+          3. the rest of the earlier run goes aside; then the aside folder is deleted.
+        A rename that fails puts everything back and says so."""
+        ours, kept = self.entries()
+        first = [p for p in ours if p.name == "checkpoints" or p.name not in (*RUN_ENTRIES, self.run_json.name)]
+        rest = [p for p in ours if p.name in RUN_ENTRIES and p.name != "checkpoints"]
+        aside: Path | None = None
+        moved: list[Path] = []
+        committed = False
         try:
-            for child in list(self.path.iterdir()):
-                if child != aside:
-                    os.rename(child, aside / child.name)
-                    moved.append(child)
+            if ours:
+                aside = Path(tempfile.mkdtemp(prefix=f".replaced-{os.getpid()}-", dir=self.path))
+            for child in first:
+                os.rename(child, aside / child.name)
+                moved.append(child)
+            if self.run_json.exists():
+                shutil.copy2(self.run_json, aside / self.run_json.name)
+            write_json_atomic(self.run_json, {"summary": {"status": "running"}})  # the new run, from here on
+            committed = True
+            for child in rest:
+                os.rename(child, aside / child.name)
+                moved.append(child)
         except OSError as err:
-            for child in moved:
+            self.run_json.with_name(f".{self.run_json.name}.tmp").unlink(missing_ok=True)
+            if committed and aside is not None and (aside / self.run_json.name).exists():
+                os.replace(aside / self.run_json.name, self.run_json)
+            elif committed:
+                self.run_json.unlink(missing_ok=True)
+            for child in reversed(moved):
                 os.rename(aside / child.name, child)
-            aside.rmdir()
+            if aside is not None:
+                (aside / self.run_json.name).unlink(missing_ok=True)  # the copy, when the original stayed
+                aside.rmdir()  # empty now; never deleted with anything in it
             raise WorkbenchError(f"{self.path}: cannot replace the earlier run ({err.strerror or err}: "
                                  f"{err.filename}); it is left as it was") from None
-        shutil.rmtree(aside, ignore_errors=True)  # what cannot be deleted stays aside, out of the new run's way
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)  # what cannot be deleted stays aside, out of the new run's way
+        names = [f"{p.name}/" if p.is_dir() else p.name for p in kept]
+        if names:
+            import warnings
+
+            warnings.warn(f"{self.path}: --overwrite replaced the earlier run and kept what it did not write: "
+                          f"{', '.join(names)}", stacklevel=2)
+        return names
+
+    def entries(self) -> tuple[list[Path], list[Path]]:
+        """(what a run wrote here, everything else), each sorted by name."""
+        ours, others = [], []
+        for child in sorted(self.path.iterdir()):
+            name = child.name
+            is_ours = name in RUN_ENTRIES or name in (self.run_json.name, "metrics.tmp") or name.startswith(LEFTOVERS)
+            (ours if is_ours else others).append(child)
+        return ours, others
 
     def release(self) -> None:
         lock = getattr(self, "_lock", None)
