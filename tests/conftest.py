@@ -53,3 +53,27 @@ def tiny_bf16_path(tiny_path, tmp_path_factory):
             shutil.copy(item, folder / item.name)
     AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.bfloat16).save_pretrained(folder)
     return folder
+
+
+# Precision decisions of the two CPU kinds this suite runs on (workbench/precision.py decides by measured matmul
+# rates, which PROBE_ENV injects): tests marked `both_precisions` run under each, on whatever CPU runs them, so a
+# CPU of one kind catches what the other would see.
+PRECISION_DECISIONS = {
+    "bf16-native": "bf16=400,fp32=100",  # AVX-512 BF16 / AMX: bf16 matmuls 4x faster, `auto` trains in bf16
+    "fp32-only": "bf16=0.8,fp32=39",  # AVX2 only: bf16 matmuls 50x slower, `auto` trains in float32
+}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("both_precisions"):
+        metafunc.fixturenames.append("cpu_precision")
+        metafunc.parametrize("cpu_precision", list(PRECISION_DECISIONS), indirect=True)
+
+
+@pytest.fixture
+def cpu_precision(request, monkeypatch):
+    """The CPU precision decision a `both_precisions` test runs under (child processes inherit it)."""
+    from workbench.precision import PROBE_ENV
+
+    monkeypatch.setenv(PROBE_ENV, PRECISION_DECISIONS[request.param])
+    return request.param

@@ -188,6 +188,7 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
         import json, logging, os, sys, warnings
         import datasets, torch, transformers
         import workbench as wb
+        import workbench.quiet
 
         def state():
             return {"filters": [repr(f) for f in warnings.filters], "env": dict(os.environ),
@@ -195,8 +196,7 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
                     "transformers": [transformers.utils.logging.get_verbosity(),
                                      transformers.utils.logging.is_progress_bar_enabled()],
                     "datasets": [datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()],
-                    "loggers": [len(logging.getLogger(n).filters) for n in ("bitsandbytes.backends.cpu.ops",
-                                                                            "DeepSpeed")]}
+                    "loggers": [len(logging.getLogger(n).filters) for n in workbench.quiet._QUIETED_LOGGERS]}
 
         def both(call):
             import threading
@@ -238,3 +238,31 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
     assert set(changed) == {"train", "merge", "generate", "evaluate", "train (raises)",
                             "preview_data, two threads at once"}
     assert all(not keys for keys in changed.values()), changed
+
+
+def test_library_notes_are_dropped_at_their_source_and_nothing_else():
+    """The notes of libraries the user never asked for (bitsandbytes asking `kernels` for a hub kernel, offline)
+    are dropped by a filter on the logger that emits them, while a module loads or a command runs; the same
+    loggers' other records, the user's own loggers and warnings, and every note after the call still show."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import logging, warnings
+        from workbench.quiet import _harmless_logs_dropped
+        kernels = logging.getLogger("kernels._internals.hf_hub")
+        with _harmless_logs_dropped():
+            import bitsandbytes  # on a CPU with AVX-512 BF16 this logs both notes below when `kernels` is there
+            kernels.warning("Skipping publisher trust check for 'kernels-community/x' because offline.")
+            logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward: x")
+            kernels.warning("another note of kernels")
+            logging.getLogger("mine").warning("the user's own log line")
+            warnings.warn("the user's own warning")
+        kernels.warning("Skipping publisher trust check for 'kernels-community/y' after the call")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernels-community/x" not in done.stderr and "gemm_4bit_forward" not in done.stderr, done.stderr
+    for shown in ("another note of kernels", "the user's own log line", "the user's own warning",
+                  "kernels-community/y' after the call"):
+        assert shown in done.stderr, (shown, done.stderr)

@@ -152,9 +152,10 @@ def cpu_runtime_bytes() -> int:
         except PackageNotFoundError:
             return "-"
 
-    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak)
-    key = "|".join(["vmhwm", sys.version.split()[0], sys.platform] + [ver(p) for p in (
-        "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers")])
+    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak); "unwrap": the probe
+    # unwraps its model as runs do, which imports DeepSpeed where it is installed
+    key = "|".join(["vmhwm-unwrap", sys.version.split()[0], sys.platform] + [ver(p) for p in (
+        "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers", "deepspeed")])
     cached = read_cache_json("cpu_runtime.json")
     if key in cached:
         return int(cached[key])
@@ -193,6 +194,8 @@ def _probe() -> None:
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
     model, optimizer = accelerator.prepare(model, optimizer)
+    # Every run unwraps its model, and Accelerate's unwrap imports DeepSpeed where it is installed (~140 MiB).
+    accelerator.unwrap_model(model)
     ids = torch.randint(0, 64, (2, 16))
     for _ in range(2):
         accelerator.backward(model(input_ids=ids, labels=ids).loss)

@@ -11,7 +11,10 @@ import warnings
 from contextlib import contextmanager
 
 _HARMLESS = (
-    "Failed to load CPU gemm_4bit_forward",  # bitsandbytes: an optional hub kernel (never installed here)
+    # bitsandbytes, imported on a CPU with AVX-512 BF16, asks the `kernels` package (a dependency of transformers)
+    # for an optional hub kernel: offline, or without it, it falls back to its own and logs both notes
+    "Failed to load CPU gemm_4bit_forward",
+    "Skipping publisher trust check for 'kernels-community/",
     "Setting accelerator to CPU",  # DeepSpeed probing for a GPU on a CPU machine
 )
 
@@ -31,17 +34,31 @@ def quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
 
+_QUIETED_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub", "DeepSpeed")
+
+
 def import_quietly(module: str):
-    """Import a module with the libraries' import-time notes silenced for this import only: the filters are
-    restored afterwards, so a notebook's own warning settings stay as they were."""
-    with warnings.catch_warnings():
+    """Import a module with the libraries' import-time notes silenced for this import only: the warning and
+    logger filters are restored afterwards, so a notebook's own settings stay as they were."""
+    with warnings.catch_warnings(), _harmless_logs_dropped():
         quiet_warnings()
         import tqdm.auto  # noqa: F401  (the libraries import it later, and it warns once, on first import)
 
         return importlib.import_module(module)
 
 
-_QUIETED_LOGGERS = ("bitsandbytes.backends.cpu.ops", "DeepSpeed")
+@contextmanager
+def _harmless_logs_dropped():
+    loggers = [logging.getLogger(name) for name in _QUIETED_LOGGERS]
+    added = [logger for logger in loggers if not any(isinstance(f, _DropHarmless) for f in logger.filters)]
+    drop = _DropHarmless()
+    for logger in added:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in added:
+            logger.removeFilter(drop)
 
 
 def quiet_libraries() -> None:
