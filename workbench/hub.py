@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecipeError, WorkbenchError
@@ -40,15 +41,35 @@ def check_hub_access(repo: str, flag: str = MERGE_FLAG,
     check_repo_id(repo, flag)
     if hub_offline():
         raise WorkbenchError(f"{flag} {repo}: the Hugging Face Hub is offline (HF_HUB_OFFLINE=1); {offline_advice}")
+    seconds = None
     try:
         if get_token() is None:
             raise WorkbenchError(f"{flag} {repo}: not logged in to the Hugging Face Hub "
                                  "(run `hf auth login` or set HF_TOKEN)")
-        HfApi().whoami()
+        with hub_wait() as seconds:
+            HfApi().whoami()
     except WorkbenchError:
         raise
     except Exception as err:  # network and HTTP failures come in many types; all end the same way
-        raise WorkbenchError(f"{flag} {repo}: {hub_problem(err)}") from None
+        raise WorkbenchError(f"{flag} {repo}: {hub_problem(err, seconds, 'checking the token')}") from None
+
+
+@contextmanager
+def hub_wait():
+    """The seconds a short request to the hub waits for an answer (HF_HUB_ETAG_TIMEOUT, the hub library's limit for
+    its metadata requests), put on huggingface_hub's shared HTTP client for the requests made inside: that client
+    waits without a limit. The client's own setting is put back afterwards."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    seconds = constants.HF_HUB_ETAG_TIMEOUT
+    session = get_session()
+    before = session.timeout
+    session.timeout = seconds
+    try:
+        yield seconds
+    finally:
+        session.timeout = before
 
 
 def push_folder(folder: Path, repo: str, private: bool = False, flag: str = MERGE_FLAG,
@@ -69,18 +90,30 @@ def push_folder(folder: Path, repo: str, private: bool = False, flag: str = MERG
     return str(url)
 
 
-def hub_problem(err: Exception) -> str:
+def hub_problem(err: Exception, seconds: float | None = None, waiting_for: str = "") -> str:
+    """One line for a failed hub request; `seconds` and `waiting_for` say what a request that timed out waited for."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     if isinstance(err, OfflineModeIsEnabled):
         return "the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)"
+    if seconds is not None and _timed_out(err):
+        what = f"{waiting_for}; " if waiting_for else ""
+        return (f"the Hugging Face Hub at {constants.ENDPOINT} did not answer within {seconds:g} s "
+                f"({what}HF_HUB_ETAG_TIMEOUT sets the wait)")
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, HfHubHTTPError) and status in (401, 403):
         return f"the hub refused the token (HTTP {status}): check `hf auth login` or HF_TOKEN"
     if isinstance(err, HfHubHTTPError) and status is not None:
         return f"the hub answered HTTP {status}: {first}"
     return f"cannot reach the Hugging Face Hub (no network?): {first}"
+
+
+def _timed_out(err: Exception) -> bool:
+    """A request that waited its time out, whichever HTTP library the hub client uses (httpx, requests)."""
+    return isinstance(err, TimeoutError) or any(kind.__name__ in ("TimeoutException", "Timeout")
+                                                for kind in type(err).__mro__)
 
 
 # -- workbench push ---------------------------------------------------------------------------

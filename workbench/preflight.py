@@ -1,7 +1,8 @@
 """Checks that run before any weights load, so a doomed run fails in seconds with the field to fix.
 
 Recipe fields and files (data exists and is readable, the output folder is writable, the trackers' packages
-are installed), the tokenizer (a chat template and EOS where the data format needs them) and the model's context
+are installed and their settings can work: W&B has a key or runs offline, MLflow's store is usable and its
+server answers), the tokenizer (a chat template and EOS where the data format needs them) and the model's context
 limit. Data rows themselves are checked, with file:line, as they are tokenized, and
 the free disk for the checkpoints once the adapter is attached (`check_disk_space`, before the first step).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from .errors import RecipeError, WorkbenchError
 from .formats import format_of
 from .recipe import Recipe
-from .trackers import check_tracker_packages
+from .trackers import check_trackers
 
 BYTES_PER_TRAINABLE_IN_CHECKPOINT = 4 + 8  # fp32 weights + AdamW's two moments (8-bit optimizers need less)
 DISK_MARGIN = 1.2
@@ -24,7 +25,7 @@ DISK_MARGIN = 1.2
 
 def preflight(recipe: Recipe, tokenizer=None, model_config=None, resume: bool = False) -> list[str]:
     """Raise on the first problem; return warnings worth printing (nothing fatal)."""
-    check_tracker_packages(recipe.output.trackers)
+    check_trackers(recipe.output.trackers)
     check_data_files(recipe)
     check_output_dir(recipe, resume)
     warnings: list[str] = []

@@ -6,6 +6,8 @@ the loop then saves a checkpoint and raises `Interrupted` (exit code 130 or 143)
 once; repeated SIGTERMs (torchrun forwards the one it got to ranks that had it already) are ignored.
 A launcher gives its ranks a grace period before SIGKILL (torchrun and SLURM: 30 s by default): the
 checkpoint written on the way out must fit in it.
+Where the process may wait on something outside it (a tracking server while the trackers start), `interruptible`
+makes a signal end the wait at once: there is no step boundary to wait for.
 """
 
 from __future__ import annotations
@@ -13,29 +15,44 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
+from .errors import Interrupted
+
 FORWARDED_WITHIN_S = 1.0
 
 
+class StopNow(BaseException):
+    """Raised by the signal handler inside `StopRequest.interruptible`; a BaseException, so that the libraries'
+    `except Exception` around their network calls lets it through."""
+
+
 class StopRequest:
+    active: "StopRequest | None" = None  # the one whose handlers are installed (signals belong to the process)
+
     def __init__(self) -> None:
         self.signum: int | None = None
         self._since = 0.0
         self._previous: dict[int, object] = {}
+        self._at_once = False
+        self._fired: int | None = None  # a signal that came inside `interruptible`
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._record)
+            StopRequest.active = self
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if StopRequest.active is self:
+            StopRequest.active = None
 
     def _record(self, signum: int, frame) -> None:
         now = time.monotonic()
@@ -45,6 +62,28 @@ class StopRequest:
             raise KeyboardInterrupt
         if self.signum is None:
             self.signum, self._since = signum, now
+        if self._at_once:
+            self._fired = signum
+            raise StopNow(signum)
+
+    @contextmanager
+    def interruptible(self, what: str, earlier_counts: bool = True):
+        """A stop signal that comes inside raises Interrupted("interrupted by SIGTERM while <what>") at once,
+        whatever the code inside was waiting for; so does one that came before, unless earlier_counts is False
+        (the loop still honours that one at the step's end)."""
+        self._at_once, self._fired = True, None
+        try:
+            if earlier_counts and self.signum is not None:
+                self._fired = self.signum
+                raise StopNow(self.signum)
+            yield
+        except BaseException:
+            if self._fired is None:
+                raise
+            raise Interrupted(f"interrupted by {signal.Signals(self._fired).name} while {what}",
+                              self._fired) from None
+        finally:
+            self._at_once = False
 
     @property
     def name(self) -> str:
