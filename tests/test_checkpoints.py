@@ -1,5 +1,6 @@
 """Resuming through the portable copy in one process: another micro-batch split, an epoch that ended on a short
-step, damaged files (one clear error, nothing in the run touched), and which errors count as a peer's failure."""
+step, damaged files (one clear error, nothing in the run touched), the samples per step a resume on another process
+count keeps, and which errors count as a peer's failure."""
 
 import json
 import shutil
@@ -9,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workbench import Recipe, WorkbenchError, train
+from workbench import Recipe, RecipeError, WorkbenchError, train
 from workbench.distributed import _raised_in_collective, collective_failure
+from workbench.resume import check_resume
 from workbench.runs import RunDir
 
 pytestmark = pytest.mark.slow
@@ -116,6 +118,50 @@ def test_a_refused_pair_leaves_the_run_as_it_was(tmp_path):
     assert ((target / "recipe.yaml").read_bytes(), (target / "run.json").read_bytes()) == before
 
 
+def written(tmp_path, micro: int, accum: int, world: int, *overrides) -> RunDir:
+    """A run directory as a run on `world` processes leaves it after its step-2 checkpoint."""
+    run_dir = RunDir(tmp_path / "written")
+    run_dir.path.mkdir(parents=True)
+    recipe(micro, accum, *overrides).save(run_dir.recipe)
+    run_dir.checkpoint(2).mkdir(parents=True)
+    (run_dir.checkpoint(2) / "workbench_checkpoint.json").write_text(json.dumps(
+        {"step": 2, "world_size": world, "micro_batch_size": micro, "grad_accum": accum}))
+    return run_dir
+
+
+def recipe(micro: int, accum: int, *overrides) -> Recipe:
+    return Recipe.load("recipes/tiny.yaml", [*COMMON, f"training.micro_batch_size={micro}",
+                                             f"training.grad_accum={accum}", *overrides])
+
+
+def test_another_process_count_keeps_the_samples_per_step_by_adjusting_the_accumulation(tmp_path):
+    """Written on 2 processes with 1 x 2, continued on 1 with the same recipe: 4 samples a step, as before."""
+    run_dir = written(tmp_path, 1, 2, 2)
+    continued, changes, notes = check_resume(recipe(1, 2), run_dir, world_size=1)
+    assert continued.training.grad_accum == 4 and changes["training.grad_accum"] == [2, 4]
+    assert notes == ["resume: training.grad_accum 2 -> 4 on 1 process(es), to keep the run's 4 samples a step "
+                     "(micro-batch 1 x accumulation 2 x 2 process(es))"]
+    continued, _, _ = check_resume(recipe(2, 2), written(tmp_path / "back", 2, 2, 1), world_size=2)
+    assert continued.training.grad_accum == 1
+
+
+@pytest.mark.parametrize("micro, accum, world, new_world, new, message", [
+    (1, 2, 2, 3, (1, 2), "the run took 4 samples a step (micro-batch 1 x accumulation 2 x 2 process(es)) and this one "
+                         "would take 6 (1 x 2 x 3 process(es)); no micro-batch and accumulation keep 4 on 3 process(es)"),
+    (4, 1, 2, 4, (4, 1), "the run took 8 samples a step (micro-batch 4 x accumulation 1 x 2 process(es)) and this one "
+                         "would take 16 (4 x 1 x 4 process(es)); training.micro_batch_size=2 training.grad_accum=1 "
+                         "keeps it"),
+    (1, 2, 2, 1, (1, 3), "training.grad_accum: 2 -> 3 (the run took 4 samples a step (micro-batch 1 x accumulation 2 "
+                         "x 2 process(es)) and this one would take 3 (1 x 3 x 1 process(es)); "
+                         "training.micro_batch_size=1 training.grad_accum=4 keeps it)"),
+])
+def test_another_samples_per_step_is_refused_naming_both_and_what_keeps_it(tmp_path, micro, accum, world, new_world,
+                                                                          new, message):
+    with pytest.raises(RecipeError) as refused:
+        check_resume(recipe(*new), written(tmp_path, micro, accum, world), world_size=new_world)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
 def heartbeat(in_loop=True):
     return SimpleNamespace(rank=0, world=2, in_loop=in_loop, others=lambda step: "rank 1 (pid 7) exited")
 
@@ -132,3 +178,39 @@ def test_only_errors_out_of_a_collective_are_a_peers_failure():
     early = collective_failure(backend_error, heartbeat(in_loop=False), 0, (600, 60), None)
     assert "before the first step" in str(early) and "startup_timeout_s=600 s" in str(early)
     assert "No checkpoint was complete yet" in str(early)
+
+
+def _planted_pickle(path, marker) -> None:
+    import pickle
+
+    class Runs:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('ran')",))
+
+    path.write_bytes(pickle.dumps(Runs()))
+
+
+@pytest.mark.parametrize("written_by", ["this version", "an earlier version"])
+def test_a_pickle_in_a_checkpoint_is_never_loaded(tmp_path, written_by):
+    """A checkpoint's loop state is JSON: resuming unpickles nothing that could run code (a workspace's checkpoints
+    may come from anyone, and the UI resumes them). A pickle planted where Accelerate keeps registered objects is
+    refused unread; an earlier version's checkpoint, which held its state in such pickles, continues from its
+    portable copy with the pickles unread."""
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=4", "output.save_every=2")
+    assert not list(whole.rglob("custom_checkpoint_*.pkl"))
+    target = interrupted_copy(whole, tmp_path / "planted", 2)
+    checkpoint, marker = RunDir(target).checkpoint(2), tmp_path / "ran"
+    _planted_pickle(checkpoint / "custom_checkpoint_0.pkl", marker)
+    if written_by == "this version":
+        with pytest.raises(WorkbenchError, match=r"holds pickled state \(custom_checkpoint_0.pkl\), which loading "
+                                                 r"would execute; the workbench never writes it"):
+            run(target, "training.max_steps=4", "output.save_every=2", resume=True)
+    else:  # as an earlier version wrote it: the loop's state in pickles only
+        meta_path = checkpoint / "workbench_checkpoint.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["progress"], meta["scheduler"]
+        meta_path.write_text(json.dumps(meta))
+        s = run(target, "training.max_steps=4", "output.save_every=2", resume=True)
+        assert s["steps"] == 4 and losses(target) == pytest.approx(losses(whole), rel=1e-5)
+    assert not marker.exists()

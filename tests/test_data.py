@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from workbench import DataError
-from workbench.data import IGNORE, Collator, EpochSampler, pack, prepare_data, tokenize_row
+from workbench.data import (IGNORE, STAND_IN, Collator, EpochSampler, StepBatches, TrainRows, pack, prepare_data,
+                            tokenize_row)
 from workbench.recipe import DataSection
 
 
@@ -199,6 +200,42 @@ def test_sampler_order_is_seeded_per_epoch():
     assert list(sampler) == first and second != first and sorted(second) == list(range(10))
 
 
+@pytest.mark.parametrize("size", [1, 5, 8, 9, 11, 13])
+@pytest.mark.parametrize("micro, accum, world", [(1, 1, 2), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 1), (1, 1, 3),
+                                                 (2, 3, 3), (1, 1, 4)])
+def test_every_step_holds_the_same_samples_on_any_layout(size, micro, accum, world):
+    """The processes' micro-batches, step by step, hold the next micro x accum x world samples of the epoch's order,
+    the short step that ends an epoch too: every process runs as many micro-batches as the others (a stand-in where
+    it has no sample left), and no sample is repeated or left out."""
+    per_step = micro * accum * world
+    order = list(EpochSampler(size, seed=3))
+    dealt = []
+    for rank in range(world):
+        sampler = StepBatches(size, micro, world, rank, seed=3)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) and all(0 < len(b) <= micro for b in batches)
+        dealt.append([batches[i:i + accum] for i in range(0, len(batches), accum)])  # the loop's steps
+    assert len({len(steps) for steps in dealt}) == 1 and len(dealt[0]) == -(-size // per_step)
+    for step, parts in enumerate(zip(*dealt)):
+        assert len({len(p) for p in parts}) == 1  # the same passes on every process
+        real = sorted(i for p in parts for b in p for i in b if i >= 0)
+        assert real == sorted(order[step * per_step:(step + 1) * per_step])
+        stand_ins = [b for p in parts for b in p if b[0] < 0]
+        assert all(len(b) == 1 for b in stand_ins) and (not stand_ins or step == len(dealt[0]) - 1)
+
+
+def test_a_resumed_epoch_deals_the_rest_and_a_stand_in_counts_nothing():
+    sampler = StepBatches(9, 1, 2, 1, seed=3)
+    sampler.set_epoch(1)
+    whole = list(sampler)
+    sampler.set_epoch(1, skip=2)
+    assert list(sampler) == whole[2:] and whole[-1][0] < 0
+    rows = TrainRows([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 2]}])
+    batch = Collator(pad_token_id=0)([rows[-1]])
+    assert batch[STAND_IN] and batch["num_tokens"] == batch["num_attended"] == 0
+    assert batch["input_ids"].tolist() == [[5, 6, 7]] and STAND_IN not in Collator(pad_token_id=0)([rows[0]])
+
+
 def test_a_field_that_changes_type_is_named_with_both_lines(tmp_path):
     """A leading blank line and a field that turns from boolean to list: the JSON reader gives up with
     a bare parse error; the workbench names the row and the one that set the type."""
@@ -249,3 +286,36 @@ def test_a_list_of_mixed_types_is_named_with_its_line(tmp_path):
     path.write_text('\n{"id": [false, 0], "text": "0"}\n')
     with pytest.raises(DataError, match=rf"{path}:2: a list mixes a boolean and a number"):
         load_rows(str(path))
+
+
+@pytest.mark.parametrize("fmt, text, message", [
+    ("completion", "prompt,completion\na b, c\nd e,\n", r"d\.csv:3: the cell in column 'completion' is empty"),
+    ("completion", "prompt,completion\na b, c\n,f\n", r"d\.csv:3: the cell in column 'prompt' is empty"),
+    ("alpaca", "instruction,input,output\nAdd,,4\nAdd,2 and 3,\n", r"d\.csv:3: the cell in column 'output' is empty"),
+])
+def test_an_empty_csv_cell_is_named_with_its_line_and_column(tmp_path, tiny_tokenizer, monkeypatch, fmt, text,
+                                                             message):
+    """The CSV reader gives an empty cell as null (NaN in pandas): that is an empty cell, not a missing field or a
+    float. An optional column (alpaca's input) may stay empty."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "d.csv").write_text(text)
+    with pytest.raises(DataError, match=message):
+        prepare_data(cfg(train=str(tmp_path / "d.csv"), format=fmt, packing=False), tiny_tokenizer)
+
+
+def test_csv_cells_keep_the_text_they_hold(tmp_path, monkeypatch):
+    """A column of numbers is not read as floats ("2" stayed 2.0 and was refused as "got float"), and words that a
+    table reader takes for missing values ("NA", "null") stay words."""
+    from workbench.data import load_rows
+
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "d.csv").write_text("prompt,completion\n1 plus 1 is,2\nNA,null\n")
+    rows = load_rows(str(tmp_path / "d.csv"))
+    assert list(rows.dataset) == [{"prompt": "1 plus 1 is", "completion": "2"}, {"prompt": "NA", "completion": "null"}]
+
+
+def test_a_nan_value_reads_as_empty_not_as_a_float():
+    from workbench.formats import FORMATS
+
+    with pytest.raises(DataError, match=r"x\.csv:4: field 'completion' is empty"):
+        FORMATS["completion"].check({"prompt": "a", "completion": float("nan")}, "x.csv:4")

@@ -137,6 +137,27 @@ def test_a_file_that_mixes_layouts_names_the_row_and_keeps_every_value(tmp_path,
         prepare_data(cfg(train=str(path)), tiny_tokenizer)
 
 
+@pytest.mark.parametrize("layout", ["whole conversations", "prompt messages and answer messages",
+                                    "messages and answer texts"])
+def test_a_non_text_content_is_named_at_its_own_line(layout, tmp_path, tiny_tokenizer, monkeypatch):
+    """`"content": 1` on line 5 makes the reader re-read the whole column value by value (the answer "5." of
+    line 1 came back as 5.0): the row at fault is named, as the chat format names it."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+
+    def row(question):
+        user = [{"role": "user", "content": question}]
+        answer = {"chosen": "5.", "rejected": "6."}
+        return {"whole conversations": {k: [*user, {"role": "assistant", "content": v}] for k, v in answer.items()},
+                "prompt messages and answer messages": {"prompt": user, **{k: [{"role": "assistant", "content": v}]
+                                                                           for k, v in answer.items()}},
+                "messages and answer texts": {"messages": user, **answer}}[layout]
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row(q)) + "\n" for q in ["What is 2 plus 3?"] * 4 + [1] + ["q"] * 3))
+    with pytest.raises(DataError, match=rf"{path}:5: .*field 'content' must be a string, got int"):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
 def test_only_the_final_answer_of_a_multi_turn_prompt_is_compared(tiny_tokenizer):
     row = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                       {"role": "user", "content": PAIR["prompt"]}], "chosen": PAIR["chosen"], "rejected": PAIR["rejected"]}

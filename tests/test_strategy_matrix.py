@@ -44,7 +44,19 @@ LAYOUTS = {
 }
 FAMILIES = {"ddp": ["ddp"], "deepspeed": ["zero1", "zero2", "zero3"], "fsdp": ["fsdp"]}
 GLOBAL_BATCH = 4  # samples per step in every cell
+# an epoch that ends on a short step: 9 rows make steps of 4, 4 and 1 samples, then step 4 starts the next epoch (with
+# one process a micro-batch over, the others run a stand-in that adds nothing)
+EPOCH_END = ["data.packing=false", "data.limit=9"]
+EPOCH_END_CELLS = [(layout, 2) for layout in LAYOUTS] + [("fsdp", 1)]
 LOSS_RTOL, ADAPTER_ATOL = 1e-4, 2e-5  # float32 reductions in another order; measured differences are ~1e-7
+# On a CPU with AVX-512 BF16, bitsandbytes registers other 4-bit CPU kernels (its backends/cpu/ops.py) whose float32
+# sums depend on the micro-batch's shape: QLoRA adapters then differ by up to 2.3e-5 between layouts (measured at
+# ddp/zero1/zero2 with accumulation 2); elsewhere ~1e-7, like the other methods.
+QLORA_ADAPTER_ATOL = 5e-5
+
+
+def adapter_atol(method: str) -> float:
+    return QLORA_ADAPTER_ATOL if method == "qlora" else ADAPTER_ATOL
 
 
 def batch(grad_accum: int, world: int) -> list[str]:
@@ -90,6 +102,8 @@ def matrix(tmp_path_factory):
             for m in METHODS for ga in (1, 2)}
     refs.update({str(root / f"single-{o}-ga{ga}"): {"overrides": [*CELL, *OBJECTIVES[o], *batch(ga, 1)]}
                  for o, ga in OBJECTIVE_CELLS})
+    refs.update({str(root / f"single-epoch_end-ga{ga}"): {"overrides": [*CELL, *EPOCH_END, *batch(ga, 1)]}
+                 for ga in (1, 2)})
     assert run_worker(refs, 1, root, name="single") == {}
     refused = {}
     for family, layouts in FAMILIES.items():
@@ -99,6 +113,9 @@ def matrix(tmp_path_factory):
         cells.update({str(root / f"{layout}-{o}-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *OBJECTIVES[o],
                                                                          *batch(ga, 2)]}
                       for layout in layouts for o, ga in OBJECTIVE_CELLS})
+        cells.update({str(root / f"{layout}-epoch_end-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *EPOCH_END,
+                                                                             *batch(ga, 2)]}
+                      for layout, ga in EPOCH_END_CELLS if layout in layouts})
         if family == "fsdp":  # auto, where no replica fits the memory it is given, must run a sharded layout
             cells[str(root / "auto")] = {"overrides": [*CELL, *batch(1, 2), "distributed.strategy=auto",
                                                        f"distributed.device_memory={memory_for_fsdp_only()}"]}
@@ -137,7 +154,7 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
         assert a == b  # replicas hold identical adapters
     assert len(losses(cell)) == STEPS
     assert losses(cell) == pytest.approx(losses(reference), rel=LOSS_RTOL)
-    assert_close_adapters(adapter(cell), adapter(reference), atol=ADAPTER_ATOL)
+    assert_close_adapters(adapter(cell), adapter(reference), atol=adapter_atol(method))
     if method in OBJECTIVES:  # the preference figures too: margins and accuracy over the same pairs
         assert s["objective"] == method
         assert column(cell, "reward_margin") == pytest.approx(column(reference, "reward_margin"), rel=1e-3, abs=1e-6)
@@ -148,10 +165,26 @@ def column(run_dir, name: str) -> list:
     return [r[name] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+@pytest.mark.parametrize("layout, grad_accum", EPOCH_END_CELLS, ids=[f"{l}-ga{g}" for l, g in EPOCH_END_CELLS])
+def test_the_short_step_that_ends_an_epoch_holds_the_same_samples_on_every_layout(matrix, layout, grad_accum):
+    """The epoch's last step holds its last sample on one process and nothing on the other: the same samples (the
+    same tokens, counted exactly) and the same update as one process, and the next epoch starts in step."""
+    root, refused = matrix
+    cell, reference = root / f"{layout}-epoch_end-ga{grad_accum}", root / f"single-epoch_end-ga{grad_accum}"
+    assert str(cell) not in refused, refused.get(str(cell))
+    assert (summary_of(cell)["world_size"], summary_of(reference)["train_examples"]) == (2, 9)
+    assert column(reference, "epoch") == [0, 0, 0, 1]
+    assert column(cell, "tokens") == column(reference, "tokens")
+    steps = [b - a for a, b in zip([0, *column(reference, "tokens")], column(reference, "tokens"))]
+    assert steps[2] < min(steps[0], steps[1], steps[3])  # the short step: one sample of four
+    assert losses(cell) == pytest.approx(losses(reference), rel=LOSS_RTOL)
+    assert_close_adapters(adapter(cell), adapter(reference), atol=ADAPTER_ATOL)
+
+
 def test_accumulation_changes_nothing_but_the_micro_batch(matrix):
     """The same samples per step, in two micro-batches instead of one: the same run."""
     root, _ = matrix
-    for method in METHODS:
+    for method in [*METHODS, "epoch_end"]:
         assert losses(root / f"single-{method}-ga2") == pytest.approx(losses(root / f"single-{method}-ga1"),
                                                                      rel=LOSS_RTOL)
 
@@ -228,6 +261,9 @@ def resumed(matrix):
     # a ZeRO engine loads only its own partitions: a one-process checkpoint resumed under ZeRO-2 is refused
     refused_target = interrupted_copy(root / "single-lora-ga2", root / "single-lora-ga2-on-zero2")
     groups[("zero", 2)][str(refused_target)] = {"overrides": [*CELL, *batch(2, 2), *LAYOUTS["zero2"]], "resume": True}
+    # the 2-process run's own micro-batch and accumulation on one process: the accumulation doubles to keep 4 samples
+    as_it_was = interrupted_copy(root / "ddp-lora-ga1", root / "ddp-lora-ga1-as-it-was-on-single")
+    groups[("single", 1)][str(as_it_was)] = {"overrides": [*CELL, *batch(1, 2)], "resume": True}
     refused = {}
     for (family, world), cells in groups.items():
         refused.update(run_worker(cells, world, root, name=f"resume-{family}-{world}"))
@@ -245,6 +281,17 @@ def test_a_checkpoint_resumes_on_another_process_count_or_layout(resumed, source
     uninterrupted = root / source
     assert losses(target) == pytest.approx(losses(uninterrupted), rel=LOSS_RTOL)
     assert_close_adapters(adapter(target), adapter(uninterrupted), atol=ADAPTER_ATOL)
+
+
+def test_a_run_resumed_on_fewer_processes_keeps_its_samples_per_step(resumed):
+    root, refused = resumed
+    target, uninterrupted = root / "ddp-lora-ga1-as-it-was-on-single", root / "ddp-lora-ga1"
+    assert str(target) not in refused, refused.get(str(target))
+    s = summary_of(target)
+    assert (s["steps"], s["world_size"]) == (STEPS, 1)
+    assert s["resume_changes"][-1]["changes"]["training.grad_accum"] == [1, 2]
+    assert column(target, "tokens") == column(uninterrupted, "tokens")
+    assert losses(target) == pytest.approx(losses(uninterrupted), rel=LOSS_RTOL)
 
 
 def test_a_pair_that_cannot_resume_is_refused_naming_both_layouts(resumed):

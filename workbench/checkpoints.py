@@ -9,8 +9,13 @@ Each checkpoint holds two copies of the training state:
   samples. Any layout gathers it (a collective, cheap for adapters) and single, DDP and FSDP load it,
   so a run written by 2 FSDP processes continues in one process, and one written in one process on 2.
 
-`workbench_checkpoint.json` records the layout and world size that wrote the checkpoint; `load` picks
-the copy that applies or refuses, naming both layouts.
+`workbench_checkpoint.json` records the layout and world size that wrote the checkpoint, and the loop's
+state and the schedule as JSON; `load` picks the copy that applies or refuses, naming both layouts.
+
+Nothing in a checkpoint is unpickled: Accelerate loads its own files with `weights_only=True`, but the objects
+registered with `register_for_checkpointing` come back through a full unpickle, which runs whatever code the
+file names. The workbench keeps its own state in JSON instead, and never resumes from a checkpoint that holds
+such pickles (earlier versions wrote them; one planted in a workspace the UI serves would run there).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
                 "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
         write_json_atomic(staging / META, {"step": progress.step, "layout": layout.to_json(),
                                            "world_size": accelerator.num_processes, "micro_batch_size": micro_batch,
-                                           "grad_accum": grad_accum, "portable": portable is not None})
+                                           "grad_accum": grad_accum, "portable": portable is not None,
+                                           "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
         run.publish_checkpoint(progress.step, keep_last)
     accelerator.wait_for_everyone()
 
@@ -73,13 +79,24 @@ def plan_resume(path: Path, layout: Layout, world_size: int, micro_batch: int, s
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
     that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""
     meta = read_meta(path)
-    if "layout" not in meta:  # written before checkpoints recorded their layout: as then, the engine's files
-        return ResumePlan(path, "exact", {**meta, "layout": layout.to_json()})
+    pickles = sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
+    if pickles and ("progress" in meta or not meta.get("portable")):
+        raise WorkbenchError(
+            f"--resume: checkpoint {path} holds pickled state ({', '.join(pickles)}), which loading would execute; "
+            + ("the workbench never writes it: the file was put there" if "progress" in meta else
+               "it was written by an earlier version and has no portable copy: resume it with that version, or "
+               "start the run again (--overwrite)"))
+    if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
+        raise WorkbenchError(f"--resume: checkpoint {path} was written by an earlier version that recorded no "
+                             "layout; start the run again (--overwrite)")
     written = Layout.from_json(meta["layout"])
     where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
     here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
-    if (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch):
+    same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
+    if same and not pickles:
         return ResumePlan(path, "exact", meta)
+    # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
+    # moments, schedule, place in the epoch; safetensors and JSON only) continues it
     problem = portable_problem(meta, layout)
     if problem:
         raise WorkbenchError(f"--resume: checkpoint {path.name} was written by {where} and this run is {here}: "
@@ -98,6 +115,8 @@ def load(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, m
     """Restore the planned checkpoint into this run; returns how ("exact" or "portable")."""
     if plan.how == "exact":
         accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
+        _load_schedule(scheduler, plan.meta["scheduler"])
+        progress.load_state_dict(plan.meta["progress"])
     else:
         _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
     return plan.how
@@ -228,7 +247,7 @@ def _load_portable(accelerator, plan: ResumePlan, model, optimizer, scheduler, p
     for name in trainable:
         state_dict["state"][name] = {"step": torch.tensor(step), **{k: tensors[f"{k}/{name}"] for k in MOMENTS}}
     set_optimizer_state_dict(unwrapped, torch_optimizer, state_dict, options=options)
-    scheduler.load_state_dict({"lr_lambdas": [None] * len(scheduler.lr_lambdas), **meta["scheduler"]})
+    _load_schedule(scheduler, meta["scheduler"])
     for group, lr in zip(torch_optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the rate of the saved step (the optimizer's own groups were created fresh)
     progress.load_state_dict(meta["progress"])
@@ -245,6 +264,10 @@ def _torch_optimizer(optimizer):
 def _json_scheduler(scheduler) -> dict:
     state = scheduler.state_dict()
     return {k: v for k, v in state.items() if k != "lr_lambdas"}
+
+
+def _load_schedule(scheduler, state: dict) -> None:
+    scheduler.load_state_dict({"lr_lambdas": [None] * len(scheduler.lr_lambdas), **state})
 
 
 def _pause_for_crash_tests(step: int) -> None:

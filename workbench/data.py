@@ -31,7 +31,7 @@ from .formats import format_of
 from .recipe import DataSection
 
 IGNORE = -100
-PIPELINE_VERSION = "1"  # bump when tokenization output changes, to invalidate caches
+PIPELINE_VERSION = "2"  # bump when tokenization output changes, to invalidate caches
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -48,9 +48,11 @@ class Rows:
     fingerprint: str
 
 
-def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], None] | None = None) -> Rows:
+def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], None] | None = None,
+              needs: tuple[str, ...] = ()) -> Rows:
     """Rows of a local file or hub data set. `check_row(row, where)` pinpoints a bad row when the
-    file as a whole cannot be read (pyarrow refuses mixed types without saying where)."""
+    file as a whole cannot be read (pyarrow refuses mixed types without saying where). `needs`: the columns
+    every row must fill (a CSV cell left empty is named by its line and column)."""
     import datasets
 
     local = Path(path)
@@ -75,17 +77,11 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
         try:
             # Parse the snapshot, not the file: the rows are the bytes that were hashed. (datasets caches a
             # local file by path and mtime, so a rewritten file with an old mtime would come back stale.)
-            dataset = datasets.load_dataset(builder, data_files=str(snapshot), split="train")
+            dataset = datasets.load_dataset(builder, data_files=str(snapshot), split="train",
+                                            **(_csv_as_text(snapshot) if builder == "csv" else {}))
         except Exception as err:  # pyarrow/datasets raise many types for malformed files
             if local.suffix.lower() == ".jsonl":
-                for i, (_, line) in enumerate(_json_lines(local)):
-                    row = json.loads(line)
-                    problem = _arrow_refuses(line, row)
-                    if problem:
-                        raise DataError(f"{where(i)}: {problem}") from None
-                    if check_row is not None:
-                        check_row(row, where(i))
-                _check_field_types(local, where)
+                _check_each_line(local, where, check_row, arrow_refused=True)
                 # every row is sound: pyarrow's JSON reader tripped on its own (e.g. a list of nulls after a
                 # blank line), so build the rows from Python's reading of the same bytes
                 try:
@@ -96,11 +92,14 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                 if local.suffix.lower() == ".csv":
                     _check_utf8(local)
                 raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
-        untyped = any(type(feature).__name__ == "Json" for feature in dataset.features.values())
+        untyped = _untyped(dataset.features)
         if untyped and local.suffix.lower() == ".jsonl":
-            # a column of several JSON types comes back re-read value by value ("1." as 1.0): name the row that
-            # changes the type, and the first row (a column of empty objects is untyped too, and harmless)
-            _check_field_types(local, where)
+            # a column of several JSON types comes back re-read value by value ("1." as 1.0, blamed on a good row):
+            # check the rows as Python reads them, naming the row at fault (a column of empty objects is untyped too,
+            # and harmless)
+            _check_each_line(local, where, check_row, arrow_refused=False)
+        if builder == "csv":
+            _check_cells(dataset, needs, where)
         if lines is not None and len(dataset) != lines:  # never train on fewer rows than the file holds
             raise DataError(f"{path}: the JSON reader returned {len(dataset)} rows for {lines} non-blank lines; "
                             "check the file for rows it cannot represent")
@@ -112,6 +111,25 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
     except Exception as err:
         raise DataError(f"{path}: cannot load hub data set (offline or not found): {_first_line(err)}") from None
     return Rows(dataset, path, lambda i: f"{path}[{split}] row {i}", f"hub:{path}:{split}:{dataset._fingerprint}")
+
+
+def _csv_as_text(path: Path) -> dict:
+    """The CSV reader's options that keep every cell the text it holds: a column of numbers stays text ("4", not
+    4.0), "NA" or "null" stay words, and an empty cell is "" (not a missing value, nor NaN)."""
+    import datasets
+    import pandas as pd
+
+    columns = pd.read_csv(path, nrows=0).columns  # the header as the reader names it (duplicates made unique)
+    return {"features": datasets.Features({str(c): datasets.Value("string") for c in columns}),
+            "keep_default_na": False}
+
+
+def _check_cells(dataset, needs: tuple[str, ...], where: Callable[[int], str]) -> None:
+    """An empty cell in a column the format needs, named by its line and column."""
+    for column in (c for c in needs if c in dataset.column_names):
+        empty = next((i for i, value in enumerate(dataset[column]) if value is None or value == ""), None)
+        if empty is not None:
+            raise DataError(f"{where(empty)}: the cell in column '{column}' is empty")
 
 
 def _json_lines(path: Path):
@@ -194,6 +212,30 @@ def _arrow_refuses(line: str, row: dict) -> str | None:
     if depth > MAX_JSON_DEPTH:
         return f"nested {depth} levels deep, more than the JSON reader's {MAX_JSON_DEPTH}"
     return None
+
+
+def _untyped(feature) -> bool:
+    """Whether the reader kept any column, at any depth (a field of the objects in a list too), as untyped JSON."""
+    if type(feature).__name__ == "Json":
+        return True
+    if isinstance(feature, dict):
+        return any(_untyped(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and _untyped(inner)
+
+
+def _check_each_line(path: Path, where: Callable[[int], str], check_row, arrow_refused: bool) -> None:
+    """Each row as Python's json module reads it, in file order: the first that fails `check_row` (or, where pyarrow
+    refused the file, that pyarrow cannot represent) is named by its line, then a column that changes its JSON
+    type."""
+    for i, (_, line) in enumerate(_json_lines(path)):
+        row = json.loads(line)
+        problem = _arrow_refuses(line, row) if arrow_refused else None
+        if problem:
+            raise DataError(f"{where(i)}: {problem}") from None
+        if check_row is not None:
+            check_row(row, where(i))
+    _check_field_types(path, where)
 
 
 def _json_kind(value) -> str:
@@ -431,11 +473,12 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
     def check(row, where):
         check_row(row, cfg.format, where)
 
-    train_rows = load_rows(cfg.train, cfg.split, check)
+    needs = format_of(cfg.format).fields
+    train_rows = load_rows(cfg.train, cfg.split, check, needs)
     train_tok, cached = tokenize_rows(train_rows, tokenizer, cfg, cfg.limit, share_prompts)
     eval_tok, eval_rows = None, None
     if cfg.eval:
-        eval_rows = load_rows(cfg.eval, cfg.split, check)
+        eval_rows = load_rows(cfg.eval, cfg.split, check, needs)
         eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompts=share_prompts)
     elif cfg.eval_split:
         held_out = math.ceil(len(train_tok) * cfg.eval_split)
@@ -572,6 +615,8 @@ class Collator:
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions
         batch["num_attended"] = sum(p + 1 for e in examples for p in e["position_ids"])
+        if any(e.get(STAND_IN) for e in examples):  # trains nothing and counts nothing (StepBatches)
+            batch[STAND_IN], batch["num_tokens"], batch["num_attended"] = True, 0, 0
         return batch
 
 
@@ -601,3 +646,57 @@ class EpochSampler(torch.utils.data.Sampler):
         order = list(range(self.size))
         random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return iter(order)
+
+
+STAND_IN = "stand_in"
+
+
+class StepBatches(torch.utils.data.Sampler):
+    """This process's micro-batches of each epoch (a batch sampler): every optimizer step holds the same samples
+    whatever the process count and the micro-batch x accumulation split of the same samples per step.
+
+    The epoch's order (EpochSampler) is cut into chunks of `micro_batch` samples, dealt to the processes in turn:
+    process r takes chunks r, r + W, r + 2W, ... Each step of `grad_accum` micro-batches on every process then holds
+    the next micro x accumulation x W samples of the order. An epoch they do not divide ends on a short step holding
+    the rest, in which a process may have a short chunk or none: for a missing chunk it runs a stand-in (a sample
+    marked STAND_IN, weighted by zero), so that every process runs the same passes, whose collectives (DDP, FSDP,
+    DeepSpeed) wait for each other. No sample is repeated and none left out (accelerate's sharding of a loader
+    fills such a step up with samples from the start of the epoch)."""
+
+    def __init__(self, size: int, micro_batch: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True):
+        self.order = EpochSampler(size, seed, shuffle)
+        self.micro_batch, self.world_size, self.rank, self.skip = micro_batch, world_size, rank, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """The epoch to deal next, from this process's micro-batch `skip` on (a resumed run)."""
+        self.order.set_epoch(epoch)
+        self.skip = skip
+
+    def __len__(self) -> int:
+        """This process's micro-batches in a whole epoch (the same on every process)."""
+        return math.ceil(math.ceil(self.order.size / self.micro_batch) / self.world_size)
+
+    def __iter__(self):
+        order = list(self.order)
+        for k in range(self.skip, len(self)):
+            start = (k * self.world_size + self.rank) * self.micro_batch
+            yield order[start:start + self.micro_batch] or [-1 - order[-1]]  # TrainRows: index -1 - i stands in
+
+
+class TrainRows(torch.utils.data.Dataset):
+    """The training rows by index, for StepBatches: row i, or at index -1 - i row i as a stand-in."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index] if index >= 0 else {**self.rows[-1 - index], STAND_IN: True}
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """A micro-batch's rows in one read where the rows allow it (a data set's own __getitems__)."""
+        read = getattr(self.rows, "__getitems__", None)
+        return read(indices) if read is not None and min(indices) >= 0 else [self[i] for i in indices]

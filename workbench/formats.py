@@ -27,9 +27,9 @@ Segments = list[tuple[str, bool]]  # (text, is_answer): answers carry the loss (
 
 def text_field(row: dict, key: str, where: str, required: bool = True) -> str:
     value = row.get(key)
-    if value is None:
+    if value is None or value != value:  # NaN: how a table read through pandas may give an empty cell
         if required:
-            raise DataError(f"{where}: missing field '{key}'")
+            raise DataError(f"{where}: missing field '{key}'" if value is None else f"{where}: field '{key}' is empty")
         return ""
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")

@@ -19,32 +19,34 @@ from torch.utils.data import DataLoader
 
 from .attention import dense_mask_warning, flex_problem_for_run, model_drops_out, shares_prompts
 from .attention import with_implementation as attention_for
-from .data import Collator, EpochSampler, prepare_data
+from .data import STAND_IN, Collator, StepBatches, TrainRows, prepare_data
 from .distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                           configure_threads, host_transfer, local_parameter_elements, patience,
-                          release_accelerator_state, verify_launch, world_size_from_env)
+                          release_accelerator_state, verify_launch)
 from .errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
 from .export import generate_text
 from .fastpath import apply_fast_paths, compile_layers
+from .hardware.catalogue import peak_flops
+from .hardware.current import local_kind, node_count, world_size_from_env
 from .launcher import check_launcher_agrees
 from .lm_loss import full_logits_loss_sum, lm_loss_sum
 from . import heap
 from .memory import prediction_for_run
-from .metrics import FlopCounter, MetricsWriter, peak_flops, peak_memory_mb, read_metrics
+from .metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
 from . import checkpoints, objectives
 from .compat import check_runtime
 from .model_card import refresh_model_cards, write_model_card_or_warn
 from .models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
-from .precision import compute_dtype_of, local_kind, resolve_recipe
+from .precision import compute_dtype_of, resolve_recipe
 from .preflight import check_disk_space, preflight
 from .quiet import leaves_the_process_as_found, quiet_libraries
 from .recipe import Recipe
 from .resume import check_resume
 from .runs import RunDir, TrainResult, environment, metrics_frame, replace_folder
 from .stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
-from .strategies import Layout, nodes_from_env
+from .strategies import Layout
 from .strategies import resolve as resolve_layout
-from .trackers import log_summary, prepare_trackers
+from .trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
 
 
 @dataclass
@@ -90,9 +92,9 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     run = RunDir(recipe.run_dir)
     threads, threads_why = configure_threads(recipe.training.threads)  # before the precision probe times matmuls
-    changes = {}
+    changes, adjusted = {}, []
     if resume and run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
-        recipe, changes = check_resume(recipe, run, world_size_from_env())
+        recipe, changes, adjusted = check_resume(recipe, run, world_size_from_env())
     # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
     recipe, precision = resolve_recipe(recipe, local_kind())
     # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
@@ -104,7 +106,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
                 *preflight(recipe, tokenizer, model_config, resume)]
     # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
     requested = recipe.distributed.strategy
-    recipe, layout, why = resolve_layout(recipe, world_size_from_env(), nodes_from_env())
+    recipe, layout, why = resolve_layout(recipe, world_size_from_env(), node_count())
     check_launcher_agrees(layout.strategy)
     accelerator = build_accelerator(recipe, str(run.path), layout)
     verify_launch(accelerator, layout)
@@ -112,6 +114,8 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     if accelerator.num_processes > 1:
         accelerator.print(f"layout: {layout.name} ({why}), {accelerator.num_processes} processes, "
                           f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
+    for line in adjusted:
+        accelerator.print(line)
     for warning in warnings:
         accelerator.print(f"warning: {warning}")
     taken = False
@@ -161,8 +165,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     finally:
         # trackers end with the run; the process group stays open for the process's next run (the CLI closes
         # it on exit), as reopening one over the same launch store can hang
-        for tracker in accelerator.trackers:
-            tracker.finish()
+        finish_trackers(accelerator)
         collective_timeout(recipe.distributed.startup_timeout_s)  # the limit the group was opened with
         run.release()
         release_accelerator_state()
@@ -214,11 +217,14 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
         accelerator.print(f"warning: {data.stats['train_empty']} training sample(s) lost their whole answer to "
                           f"truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
     collate = Collator(tokenizer.pad_token_id)
-    sampler = EpochSampler(len(data.train), seed=cfg.seed)
-    # Its own generator: creating a loader iterator must not draw from the global RNG that dropout
-    # uses, or a resumed run (which creates one more iterator) would drift from an uninterrupted one.
+    # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
+    # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
+    # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
+    # iterator) would drift from an uninterrupted one.
+    batches_of = StepBatches(len(data.train), cfg.micro_batch_size, accelerator.num_processes,
+                             accelerator.process_index, seed=cfg.seed)
     pinned = host_transfer(accelerator.device.type)["pin_memory"]  # page-locked batches copy to a GPU asynchronously
-    train_loader = DataLoader(data.train, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
+    train_loader = DataLoader(TrainRows(data.train), batch_sampler=batches_of, collate_fn=collate,
                               generator=torch.Generator().manual_seed(cfg.seed), pin_memory=pinned)
     eval_loader = (DataLoader(data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate, pin_memory=pinned)
                    if data.eval is not None else None)
@@ -246,13 +252,12 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                                     len(data.train), model) if latest else None)
     take_over(data.stats)  # everything checked: from here on the run directory is this run's
 
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    model, optimizer = accelerator.prepare(model, optimizer)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     scheduler = build_scheduler(optimizer, recipe, total_steps)
-    accelerator.register_for_checkpointing(scheduler, state)
     accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
     # the loss: next-token (sft) or a preference (dpo's reference is this model with the adapter off)
@@ -265,8 +270,7 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     elif main:
         metrics.truncate_after(0)
     if accelerator.trackers == [] and recipe.output.trackers:
-        accelerator.init_trackers(recipe.name, config=_flat(recipe.to_dict()),
-                                  init_kwargs=prepare_trackers(recipe.output.trackers, run.path))
+        start_trackers(accelerator, recipe.name, recipe.output.trackers, run.path, _flat(recipe.to_dict()), stop)
 
     summary = {"status": "running", "world_size": accelerator.num_processes, "total_steps": total_steps,
                "params": total_params, "trainable_params": trainable_params, **data.stats}
@@ -307,21 +311,24 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
     signal_group = (host_group(recipe.distributed.timeout_s)  # stop signals agreed without waiting for the GPU
                     if accelerator.num_processes > 1 and not reads_every_step else None)
     while state.step < total_steps:
-        train_loader.set_epoch(state.epoch)  # accelerate's loader passes it on to the sampler
-        batches = (accelerator.skip_first_batches(train_loader, state.batches_in_epoch)
-                   if state.batches_in_epoch else train_loader)
-        for micro_batches in _windows(batches, cfg.grad_accum):
+        batches_of.set_epoch(state.epoch, skip=state.batches_in_epoch)
+        for micro_batches in _windows(_on_device(train_loader, accelerator), cfg.grad_accum):
             step_start = time.perf_counter()
             step_loss = torch.zeros((), device=accelerator.device)
             step_sums = torch.zeros_like(window_sums)
             # what the step's loss is normalised by (its target tokens, or pairs), over every rank
-            totals = accelerator.reduce(sum(objectives.counts(mb) for mb in micro_batches), reduction="sum")
+            totals = accelerator.reduce(sum((objectives.counts(mb) for mb in micro_batches if not mb.get(STAND_IN)),
+                                            torch.zeros(3, device=accelerator.device)), reduction="sum")
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
+                # DDP averages gradients over ranks: scale by the world size to undo that mean. A stand-in (no sample
+                # left here in an epoch's short last step) runs the passes the other processes wait for, adding nothing
+                weight = 0 if batch.get(STAND_IN) else accelerator.num_processes
                 with accumulation_boundary(accelerator, model, last), offload():
                     part = objective.loss(model, batch, totals)
-                    # DDP averages gradients over ranks: scale by the world size to undo that mean
-                    accelerator.backward(part.loss * accelerator.num_processes)
+                    accelerator.backward(part.loss * weight)
+                if not weight:
+                    continue
                 step_loss += part.loss.detach()
                 step_sums += part.sums
                 # counted by the collator on the host: no device read per micro-batch
@@ -372,7 +379,8 @@ def _train(recipe: Recipe, run: RunDir, accelerator, resume: bool, progress_bar:
                        "peak_memory_mb": round(peak_memory_mb(accelerator.device)[0], 1),
                        **{k: _rounded(v) for k, v in report.items() if k != "loss"}}
                 metrics.write(row)
-                accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=state.step)
+                log_to_trackers(accelerator, {k: v for k, v in row.items() if k != "step" and v is not None},
+                                state.step)
                 bar.set_postfix(loss=f"{last_loss:.4f}" if last_loss is not None else "skipped")
                 if progress_bar == "lines" and main:  # a log file's progress (the UI's live log): one line a row
                     print(f"step {state.step}/{total_steps} | loss {row['loss']} | {row['tokens_per_s']:.0f} tokens/s "
@@ -474,7 +482,7 @@ def evaluate(model, loader, accelerator, objective) -> dict | None:
 
 def _write_eval(metrics, accelerator, step: int, figures: dict) -> None:
     metrics.write({"step": step, **figures})
-    accelerator.log({k: v for k, v in figures.items() if v is not None}, step=step)
+    log_to_trackers(accelerator, {k: v for k, v in figures.items() if v is not None}, step)
 
 
 def adamw_kernel(device_type: str) -> dict:
@@ -581,6 +589,15 @@ def _only_trainable_weights(models, weights, output_dir) -> None:
     for i, model in enumerate(models[: len(weights)]):  # FSDP and DeepSpeed save through their own engines
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
+
+
+def _on_device(loader, accelerator):
+    """The loader's batches on this process's device."""
+    from accelerate.utils import send_to_device
+
+    non_blocking = host_transfer(accelerator.device.type)["non_blocking"]
+    for batch in loader:
+        yield send_to_device(batch, accelerator.device, non_blocking=non_blocking)
 
 
 def _windows(batches, size: int):
