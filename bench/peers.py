@@ -165,7 +165,8 @@ def job_precision(threads: int) -> dict:
     """What the workbench's `auto` precision resolves to here: every tool then runs that precision."""
     import torch
     from workbench import Recipe
-    from workbench.precision import local_kind, resolve
+    from workbench.hardware.current import local_kind
+    from workbench.precision import resolve
 
     torch.set_num_threads(threads)
     precision = resolve(Recipe(), local_kind())
@@ -237,14 +238,16 @@ def measured_peaks(threads: int) -> dict:
     """This machine's matmul peak (FLOP/s) in bf16 and fp32 with the benchmark's threads, best of a few tries;
     on a known GPU its data-sheet figure (what MFU is quoted against)."""
     import torch
-    from workbench.metrics import _matmul_probe, peak_flops
+    from workbench.hardware.catalogue import peak_flops, peak_probe_size
+    from workbench.hardware.probes import matmul_rate
 
     if torch.cuda.is_available():
         return {name: peak_flops("cuda", dtype, threads)[0] for name, dtype in (("bf16", "bfloat16"),
                                                                               ("fp32", "float32"))}
 
     torch.set_num_threads(threads)
-    return {name: max(_matmul_probe("cpu", dtype, size=1024, seconds=1.0) for _ in range(2))
+    return {name: max(matmul_rate("cpu", dtype, size=peak_probe_size("cpu", dtype), seconds=1.0, repeats=4)
+                      for _ in range(2))
             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
 
 

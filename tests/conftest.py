@@ -73,7 +73,7 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def cpu_precision(request, monkeypatch):
     """The CPU precision decision a `both_precisions` test runs under (child processes inherit it)."""
-    from workbench.precision import PROBE_ENV
+    from workbench.hardware.probes import PROBE_ENV
 
     monkeypatch.setenv(PROBE_ENV, PRECISION_DECISIONS[request.param])
     return request.param

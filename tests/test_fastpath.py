@@ -12,9 +12,10 @@ from workbench.data import IGNORE, Collator
 from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
 from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                 plain_head)
-from workbench.packed_attention import (FORCE_ENV, AttentionCosts, PerSampleAttention, Span, _costs, _mask_of,
-                                        attention_costs, choose_path, packed_attention, sample_spans,
-                                        use_packed_attention)
+from workbench.hardware import probes
+from workbench.hardware.probes import AttentionCosts, attention_costs
+from workbench.packed_attention import (FORCE_ENV, PerSampleAttention, Span, _mask_of, choose_path, packed_attention,
+                                        sample_spans, use_packed_attention)
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
@@ -382,7 +383,7 @@ def test_the_cost_model_picks_masked_rows_of_many_short_samples_and_per_sample_o
     assert costs.per_sample(many_short) > costs.masked(1, 256)
     assert costs.per_sample(few_long) < costs.masked(1, 256)
     q, k = torch.zeros(1, 4, 256, 8), torch.zeros(1, 2, 256, 8)
-    monkeypatch.setitem(_costs, (4, 2, 8, str(torch.float32), torch.get_num_threads()), costs)
+    monkeypatch.setitem(probes._memo, ("_attention_costs", 4, 2, 8, torch.float32, torch.get_num_threads()), costs)
     assert choose_path(many_short, q, k) == "masked" and choose_path(few_long, q, k) == "per_sample"
     assert choose_path([[Span(0, 256)]], q, k) == "per_sample"  # one sample per row: no mask at all
     # an answer continuing a shared prompt pays for its (answer × prompt) scores as well
@@ -392,7 +393,7 @@ def test_the_cost_model_picks_masked_rows_of_many_short_samples_and_per_sample_o
 
 def test_the_cost_model_is_measured_on_this_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path))
-    monkeypatch.setattr("workbench.packed_attention._costs", {})
+    monkeypatch.setattr(probes, "_memo", {})
     costs = attention_costs(4, 2, 8, torch.float32)
     assert min(costs.per_score, costs.masked_score) > 0 and costs.per_call >= 0
     (stored,) = json.loads((tmp_path / "estimator" / "attention_costs.json").read_text()).values()

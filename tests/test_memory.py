@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench.devices import GiB, get_device, parse_bytes
+from workbench.hardware.catalogue import GiB, get_device, parse_bytes
 from workbench.errors import WorkbenchError
-from workbench.memory import estimate, lora_targets
+from workbench.memory import estimate
+from workbench.model_configs import lora_targets
 from workbench.model_configs import describe_model, find_config, shipped_configs
 from workbench.recipe import Recipe
 

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from workbench import Recipe, RecipeError, estimate
 from workbench.distributed import configure_threads
-from workbench.precision import PROBE_ENV, cpu_half, resolve, resolve_recipe
+from workbench.hardware import probes
+from workbench.hardware.probes import PROBE_ENV
+from workbench.precision import cpu_half, resolve, resolve_recipe
 
 NO_NATIVE_BF16 = "bf16=0.8,fp32=39"  # an AVX2-only CPU, as measured
 NATIVE_BF16 = "bf16=700,fp32=150"  # a CPU with AVX-512 BF16 / AMX
@@ -75,18 +77,15 @@ def test_qlora_compute_dtype_follows_the_autocast(slow_bf16, monkeypatch):
 def test_the_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.delenv(PROBE_ENV, raising=False)
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path))
-    from workbench.precision import _cpu_half
-
-    _cpu_half.cache_clear()
+    monkeypatch.setattr(probes, "_memo", {})  # nothing measured yet in this process
     half = cpu_half()
     cached = json.loads((tmp_path / "estimator" / "cpu_precision.json").read_text())
     (rates,) = cached.values()
     assert rates["bf16"] > 0 and rates["fp32"] > 0 and "probe" in half.reason
     # the decision is the measurement's: bf16 only where it beats fp32
     assert (half.half == "bf16") == (rates["bf16"] >= 1.2 * rates["fp32"])
-    _cpu_half.cache_clear()
+    probes._memo.clear()  # a new process: it reads the disk
     assert "cached" in cpu_half().reason
-    _cpu_half.cache_clear()
 
 
 def test_the_estimator_resolves_auto_for_the_device_it_plans_for(slow_bf16):

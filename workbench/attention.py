@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .errors import RecipeError
 from .formats import format_of
+from .hardware.probes import flex_backward_error
 
 AUTO = "auto"
 FLEX_BLOCK = 128  # FlexAttention's default block size: the document mask has one entry per block pair
@@ -92,21 +93,11 @@ def flex_unavailable(model_config, dtype) -> str | None:
         return f"{type(model_config).__name__.replace('Config', '')} has no FlexAttention in transformers"
     if not torch.cuda.is_available():
         return None
-    from .builtin import read_cache_json, write_cache_json
-
     text = model_config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    key = f"{torch.cuda.get_device_name()}|torch {torch.__version__}|{heads}|{kv_heads}|{head_dim}|{dtype}"
-    cached = read_cache_json("flex_attention.json")
-    if key not in cached:
-        cached[key] = _probe_flex_backward(heads, kv_heads, head_dim, dtype)
-        try:
-            write_cache_json("flex_attention.json", cached)
-        except OSError:
-            pass
-    return cached[key] or None
+    return flex_backward_error(heads, kv_heads, head_dim, dtype) or None
 
 
 def model_class_runs_flex(model_config) -> bool:
@@ -117,26 +108,6 @@ def model_class_runs_flex(model_config) -> bool:
     except (KeyError, ValueError):  # remote code or an unknown model: stay with sdpa
         return False
     return bool(getattr(cls, "_supports_flex_attn", False))
-
-
-def _probe_flex_backward(heads: int, kv_heads: int, head_dim: int, dtype) -> str:
-    """'' when a compiled FlexAttention forward + backward with a document mask runs on this GPU, else the error."""
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    try:
-        length = 2 * FLEX_BLOCK
-        document = torch.arange(length, device="cuda") // FLEX_BLOCK
-        mask = create_block_mask(lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), 1, 1, length, length,
-                                 device="cuda")
-        q = torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, length, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-                for _ in range(2))
-        torch.compile(flex_attention)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
-        torch.cuda.synchronize()
-        return ""
-    except Exception as err:  # noqa: BLE001  any failure means: not on this GPU
-        return f"FlexAttention's backward failed on this GPU: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 
 def check_trainable(implementation: str, device_kind: str, here: bool = True) -> None:

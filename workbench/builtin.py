@@ -39,23 +39,6 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("lora-workbench"))
 
 
-def read_cache_json(name: str) -> dict:
-    """A small JSON table under cache_dir()/estimator ({} when missing or unreadable)."""
-    try:
-        return json.loads((cache_dir() / "estimator" / name).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def write_cache_json(name: str, data: dict) -> None:
-    """Replace the table atomically: several processes (ranks, tests) may write it at once."""
-    path = cache_dir() / "estimator" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 def is_builtin(path: str) -> bool:
     return path.startswith(BUILTIN_PREFIX)
 

@@ -16,21 +16,12 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError, WorkbenchError
+from .hardware.current import node_count, processes_per_node, world_size_from_env
 from .recipe import Recipe
 from .strategies import Layout, read_deepspeed_file
 from .trackers import tensorboard_dir
 
 # where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
-WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def world_size_from_env() -> int:
-    for name in WORLD_SIZE_VARIABLES:
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return 1
-
-
 def check_process_count() -> None:
     """Refuse the silent fallback of `accelerate launch --num_processes N` to ONE process.
 
@@ -185,9 +176,7 @@ def hybrid_shard_config(recipe: Recipe):
         return None
     from accelerate import ParallelismConfig
 
-    world = world_size_from_env()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = world // per_node
+    per_node, nodes = processes_per_node(), node_count()
     if nodes == 1 or per_node == 1:
         raise RecipeError(
             f"distributed.fsdp.sharding: hybrid needs several machines with several processes each "

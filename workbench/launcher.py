@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError, WorkbenchError
-from .precision import local_kind
+from .hardware.current import local_kind
 from .precision import resolve as resolve_precision
 
 

@@ -15,15 +15,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .devices import Device, cpu_runtime_bytes, get_device
 from .errors import RecipeError
-from .model_configs import ModelInfo, describe_model
+from .hardware.catalogue import Device, get_device
+from .hardware.current import node_count
+from .hardware.probes import cpu_runtime_bytes
+from .model_configs import ModelInfo, chunked_loss, describe_model, lora_targets, named_in
 from .attention import dense_mask_warning, mask_bytes
 from .attention import resolve as resolve_attention
 from .attention import with_implementation as attention_for
-from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype_of
+from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype
 from .recipe import Recipe
-from .strategies import FSDP, PARTS, Layout, candidates, nodes_from_env
+from .strategies import FSDP, PARTS, Layout, candidates
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
@@ -160,7 +162,7 @@ def prediction_for_run(recipe: Recipe, layout: Layout, world_size: int, device_t
     try:
         est = estimate(recipe, world_size=world_size, device="cpu" if device_type == "cpu" else None)
         dev = get_device("cpu" if device_type == "cpu" else None)
-        row = _strategy(layout, est.terms, dev, world_size, nodes_from_env())
+        row = _strategy(layout, est.terms, dev, world_size, node_count())
         peak = row["per_device_bytes"] - (CUDA_CONTEXT if device_type == "cuda" else 0)
         return {"predicted_peak_memory_mb": round(peak / 2**20, 1), "predicted_strategy": row["name"],
                 "predicted_tokens_per_s": round(est.throughput["tokens_per_s"], 1)}
@@ -239,7 +241,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
             numels += [lin.out_features for lin in targets]  # the magnitude vector
         # modules_to_save: a trained copy of each named module (counted like adapter weights, fp32)
         numels += [lin.in_features * lin.out_features for lin in info.linears
-                   if _named(lin.name, recipe.adapter.modules_to_save or [])]
+                   if named_in(lin.name, recipe.adapter.modules_to_save or [])]
         if any(n in ("embed_tokens", "wte", "word_embeddings") for n in recipe.adapter.modules_to_save or []):
             numels += [info.vocab * info.hidden]
         trainable, train_bytes = sum(numels), 4  # peft keeps adapter weights in fp32
@@ -323,23 +325,6 @@ def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
     return int(max(layer, embedding) + layer)
 
 
-def lora_targets(recipe: Recipe, info: ModelInfo) -> list:
-    """The Linear modules peft wraps: all-linear is every Linear but the output head (peft's rule)."""
-    from .models import target_modules
-
-    if recipe.adapter.method == "full":
-        return []
-    wanted = target_modules(recipe.adapter)
-    if wanted == "all-linear":
-        return [lin for lin in info.linears if lin.name != info.head]
-    return [lin for lin in info.linears if _named(lin.name, wanted)]
-
-
-def _named(name: str, wanted: list[str]) -> bool:
-    """peft's matching of module names: the full name, or its last dotted components."""
-    return any(name == w or name.endswith("." + w) for w in wanted)
-
-
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
     """Frozen (or, for full fine-tuning, trained) base weights as they sit in memory."""
     if recipe.adapter.method != "qlora":
@@ -357,14 +342,6 @@ def vocabulary_params(info: ModelInfo) -> int:
     head = next((lin for lin in info.linears if lin.name == info.head), None)
     untied = head.in_features * head.out_features if head is not None and not info.tied_embeddings else 0
     return info.embedding_params + untied
-
-
-def vocabulary_dtype(recipe: Recipe, info: ModelInfo) -> str:
-    """What the run keeps its embeddings and head in (models.prepare_quantized applies it): only where the
-    chunked loss stands in for the head (not with LoRA on the head)."""
-    if chunked_loss(recipe, info):
-        return vocabulary_dtype_of(recipe, info.vocabulary_stored_dtype)
-    return frozen_dtype_of(recipe)
 
 
 def _quantized_bytes(n: int, recipe: Recipe) -> float:
@@ -471,19 +448,6 @@ def fast_lora_inputs(recipe: Recipe) -> bool:
     """Whether workbench/fastpath.py handles the LoRA layers' inputs (plain LoRA on 16-bit or fp32 Linears)."""
     return recipe.training.fast_paths and recipe.adapter.method == "lora" and (
         recipe.training.mixed_precision != "no" or recipe.adapter.dropout > 0)
-
-
-def chunked_loss(recipe: Recipe, info: ModelInfo) -> bool:
-    """Whether the loop's loss runs the head a chunk at a time (a plain head: no LoRA or trained copy on it).
-    Under FSDP and ZeRO-3 the head is sharded and the full logits come back (see _strategy)."""
-    if not recipe.training.fast_paths:
-        return False
-    if recipe.adapter.method == "full":  # the head stays a plain Linear, trained in place
-        return True
-    head = info.head or ""
-    adapted = {lin.name for lin in lora_targets(recipe, info)}
-    wrapped = head in adapted or _named(head, recipe.adapter.modules_to_save or [])
-    return not wrapped
 
 
 def _distinct_inputs(linears: list) -> int:

@@ -6,29 +6,11 @@ import json
 import os
 import resource
 import sys
-import time
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from .models import full_numel
-
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,
-    "T4": 65e12,
-}
-
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory.
@@ -94,80 +76,6 @@ class FlopCounter:
         if reference_forward:
             flops += 2 * self.weights * tokens + self.attention_per_position / 3 * attended_positions
         return float(flops)
-
-
-@lru_cache(maxsize=None)
-def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from): a data-sheet figure on known GPUs, else a matmul probe."""
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, flops in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return flops, f"datasheet:{key}"
-    measured = _matmul_probe(device_type, getattr(torch, dtype_name))
-    best = _best_seen(f"{device_type}|{dtype_name}|{threads}|{cpu_model_name()}", measured)
-    return best, f"probe:{dtype_name}:{threads}threads"
-
-
-def cpu_model_name() -> str:
-    """The CPU's model and the flags that decide its matmul speed per dtype ("AMD EPYC" alone names CPUs
-    with and without bf16 kernels): the key of every per-CPU measurement the project caches."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if name == "model name" and not model:
-                    model = value.strip()
-                elif name in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    speed_flags = sorted(f for f in flags if "bf16" in f or "amx" in f or f in ("avx512f", "avx2", "fp16", "sve"))
-    return " ".join([model, *speed_flags]).strip()
-
-
-def _best_seen(key: str, measured: float) -> float:
-    """The highest probe result seen on this machine: a peak is a property of the hardware, and a
-    probe that shares the cores with another busy thread only ever reads low."""
-    from .builtin import read_cache_json, write_cache_json
-
-    seen = read_cache_json("matmul_peak.json")
-    if measured <= seen.get(key, 0.0):
-        return float(seen[key])
-    try:
-        write_cache_json("matmul_peak.json", {**seen, key: measured})
-    except OSError:
-        pass  # a read-only cache costs accuracy, never the run
-    return measured
-
-
-def _matmul_probe(device_type: str, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
-    device = torch.device(device_type)
-    # its own generator: the probe may run mid-training (or right after a resume restored the RNG)
-    # and must not move the global RNG that dropout draws from
-    generator = torch.Generator(device=device).manual_seed(0)
-    if device_type == "cpu" and dtype != torch.float32:
-        from .precision import cpu_half
-
-        if cpu_half().half is None:  # no native kernel (bf16 on AVX2): a 1024 matmul alone takes seconds
-            size = 256
-    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    torch.matmul(a, b)  # warm up kernels and caches
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(4):
-            torch.matmul(a, b)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
-    return best
 
 
 class MetricsWriter:

@@ -10,6 +10,7 @@ import torch
 
 from .builtin import is_builtin, resolve_builtin
 from .errors import ModelError
+from .hardware.current import current_device, local_kind
 from .recipe import AdapterSection, ModelSection, Recipe
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -73,7 +74,7 @@ def load_base_model(recipe: Recipe, device_map=None):
     path = resolve_model_path(recipe.model.path)
     attn = recipe.model.attn
     if attn == AUTO:  # a model loaded outside a run (chat, evaluate, merge): what a run here would use
-        attn = resolve(recipe, _current_device().split(":")[0]).implementation
+        attn = resolve(recipe, local_kind()).implementation
     kwargs = dict(
         dtype=DTYPES[recipe.model.dtype],
         attn_implementation=attn,
@@ -85,7 +86,7 @@ def load_base_model(recipe: Recipe, device_map=None):
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         if not is_deepspeed_zero3_enabled():  # ZeRO-3 places (and partitions) the weights itself
-            kwargs["device_map"] = device_map or {"": _current_device()}
+            kwargs["device_map"] = device_map or {"": current_device()}
     elif device_map is not None:
         kwargs["device_map"] = device_map
     streamed = read_without_mapping(path, recipe, kwargs)
@@ -158,12 +159,6 @@ def bnb_config(recipe: Recipe):
     )
 
 
-def _current_device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
-
-
 def target_modules(adapter: AdapterSection) -> str | list[str]:
     if isinstance(adapter.target_modules, list):
         return adapter.target_modules
@@ -218,9 +213,8 @@ def prepare_quantized(model, recipe: Recipe) -> None:
     to float32: for a 128k vocabulary that is 2 GiB more for the embeddings and head of an 8B model, and the
     residual stream in float32 besides. (Non-reentrant gradient checkpointing, enabled above, needs no
     input-gradient hooks.)"""
-    from .memory import vocabulary_dtype
     from .model_configs import describe_model
-    from .precision import concrete, frozen_dtype_of
+    from .precision import concrete, frozen_dtype_of, vocabulary_dtype
 
     recipe = concrete(recipe)
     model.requires_grad_(False)

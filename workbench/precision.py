@@ -15,13 +15,15 @@ gives the measured factor and the override that fixes it.
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from .hardware.current import local_kind
+from .hardware.probes import cpu_matmul_rates
+from .model_configs import chunked_loss
+
 if TYPE_CHECKING:
+    from .model_configs import ModelInfo
     from .recipe import Recipe
 
 AUTO = "auto"
@@ -39,7 +41,6 @@ DTYPE_SPELLINGS = {
 }
 # On a CPU, bf16 must beat fp32 by this factor to be chosen (a probe on a busy machine reads noisy).
 CPU_BF16_MIN_SPEEDUP = 1.2
-PROBE_ENV = "LORA_WORKBENCH_MATMUL_RATES"  # "bf16=0.8,fp32=39" (GFLOP/s): use these instead of probing
 
 
 def spelled(value, spellings: dict[str, str]):
@@ -90,70 +91,14 @@ def device_half(kind: str, bf16: bool | None = None) -> DeviceHalf:
 
 
 def cpu_half() -> DeviceHalf:
-    """This CPU's native half type, measured once per process (and per injected PROBE_ENV value)."""
-    return _cpu_half(os.environ.get(PROBE_ENV))
-
-
-@lru_cache(maxsize=4)
-def _cpu_half(injected: str | None) -> DeviceHalf:
+    """This CPU's native half type, from its matmul rates (measured once per process, or injected with
+    LORA_WORKBENCH_MATMUL_RATES: workbench.hardware.probes.cpu_matmul_rates)."""
     bf16, fp32, source = cpu_matmul_rates()
     slowdown = fp32 / bf16 if bf16 > 0 else float("inf")
     rates = f"bf16 matmul {bf16:.3g} vs fp32 {fp32:.3g} GFLOP/s, {source}"
     if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32:
         return DeviceHalf("cpu", "bf16", f"cpu: native bf16 ({rates})", slowdown)
     return DeviceHalf("cpu", None, f"cpu: no native bf16 ({rates})", slowdown)
-
-
-def cpu_matmul_rates() -> tuple[float, float, str]:
-    """(bf16, fp32) matmul GFLOP/s of this CPU and where they came from: the PROBE_ENV variable, the
-    cache of an earlier probe on this CPU model and torch version, or a probe now (about 0.3 s)."""
-    injected = os.environ.get(PROBE_ENV)
-    if injected:
-        return (*_parse_rates(injected), f"{PROBE_ENV}")
-    import torch
-
-    from .builtin import read_cache_json, write_cache_json
-    from .metrics import cpu_model_name
-
-    key = f"{cpu_model_name()}|torch {torch.__version__}"
-    cached = read_cache_json("cpu_precision.json").get(key)
-    if cached:
-        return float(cached["bf16"]), float(cached["fp32"]), "probe, cached"
-    bf16, fp32 = (_probe_gflops(dtype) for dtype in (torch.bfloat16, torch.float32))
-    try:
-        write_cache_json("cpu_precision.json", {**read_cache_json("cpu_precision.json"),
-                                                key: {"bf16": bf16, "fp32": fp32}})
-    except OSError:
-        pass  # a read-only cache probes again next time
-    return bf16, fp32, "probe"
-
-
-def _parse_rates(text: str) -> tuple[float, float]:
-    from .errors import WorkbenchError
-
-    try:
-        rates = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
-        return rates["bf16"], rates["fp32"]
-    except (KeyError, ValueError) as err:
-        raise WorkbenchError(f"{PROBE_ENV}: expected e.g. 'bf16=0.8,fp32=39' (GFLOP/s), got {text!r}") from err
-
-
-def _probe_gflops(dtype, size: int = 256, seconds: float = 0.1) -> float:
-    """Best matmul rate over a short window. Small matrices: a CPU without bf16 kernels takes 40 ms for one."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
-    a = torch.randn(size, size, generator=generator).to(dtype)
-    b = torch.randn(size, size, generator=generator).to(dtype)
-    torch.matmul(a, b)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        now = time.perf_counter()
-        best = max(best, 2 * size**3 / max(now - start, 1e-9) / 1e9)
-        if now > deadline:
-            return best
 
 
 def resolve(recipe: "Recipe", kind: str, bf16: bool | None = None) -> Precision:
@@ -246,6 +191,14 @@ def vocabulary_dtype_of(recipe: "Recipe", stored_dtype: str | None) -> str:
     return frozen
 
 
+def vocabulary_dtype(recipe: "Recipe", info: "ModelInfo") -> str:
+    """What the run keeps its embeddings and head in (models.prepare_quantized applies it, the estimator counts
+    it): vocabulary_dtype_of only where the chunked loss stands in for the head (not with LoRA on the head)."""
+    if chunked_loss(recipe, info):
+        return vocabulary_dtype_of(recipe, info.vocabulary_stored_dtype)
+    return frozen_dtype_of(recipe)
+
+
 def concrete(recipe: "Recipe") -> "Recipe":
     """The recipe itself when no precision field says `auto`, else resolved for this machine's device."""
     quantization = recipe.quantization
@@ -254,8 +207,3 @@ def concrete(recipe: "Recipe") -> "Recipe":
         return recipe
     return resolve_recipe(recipe, local_kind())[0]
 
-
-def local_kind() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

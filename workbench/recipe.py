@@ -191,7 +191,7 @@ class DistributedSection(Section):
     def _readable_memory(cls, value):
         if value is None:
             return None
-        from .devices import parse_bytes
+        from .hardware.catalogue import parse_bytes
 
         try:
             size = parse_bytes(value)

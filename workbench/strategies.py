@@ -11,7 +11,6 @@ touches this module, its plugin builder and the recipe schema.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -206,12 +205,6 @@ def _choose(recipe: "Recipe", world_size: int, nodes: int, device_memory) -> tup
         f"({memory / 2**30:.2f} GiB){not_allowed}; see `workbench estimate` for each layout's memory, "
         "set distributed.device_memory, or name a strategy"
     )
-
-
-def nodes_from_env() -> int:
-    """Machines in this launch (`workbench launch --nnodes` sets NUM_NODES)."""
-    value = os.environ.get("NUM_NODES", "1").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def read_deepspeed_file(path) -> dict:

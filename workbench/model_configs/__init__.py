@@ -12,9 +12,13 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..builtin import is_builtin, resolve_builtin
 from ..errors import ModelError
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 CONFIG_DIR = Path(__file__).parent
 # Instruction-tuned and base variants share the base model's shapes.
@@ -208,3 +212,36 @@ def _decoder_layers(model, count: int):
         raise ModelError(f"cannot find the {count} decoder layers of {type(model).__name__}")
     lists.sort(key=lambda item: ("language_model" not in item[0], len(item[0])))
     return lists[0][1]
+
+
+# -- which Linears an adapter wraps ----------------------------------------------------------------
+
+
+def lora_targets(recipe: Recipe, info: ModelInfo) -> list:
+    """The Linear modules peft wraps: all-linear is every Linear but the output head (peft's rule)."""
+    from ..models import target_modules
+
+    if recipe.adapter.method == "full":
+        return []
+    wanted = target_modules(recipe.adapter)
+    if wanted == "all-linear":
+        return [lin for lin in info.linears if lin.name != info.head]
+    return [lin for lin in info.linears if named_in(lin.name, wanted)]
+
+
+def named_in(name: str, wanted: list[str]) -> bool:
+    """peft's matching of module names: the full name, or its last dotted components."""
+    return any(name == w or name.endswith("." + w) for w in wanted)
+
+
+def chunked_loss(recipe: Recipe, info: ModelInfo) -> bool:
+    """Whether the loop's loss runs the head a chunk at a time (a plain head: no LoRA or trained copy on it).
+    Under FSDP and ZeRO-3 the head is sharded and the full logits come back (see memory._strategy)."""
+    if not recipe.training.fast_paths:
+        return False
+    if recipe.adapter.method == "full":  # the head stays a plain Linear, trained in place
+        return True
+    head = info.head or ""
+    adapted = {lin.name for lin in lora_targets(recipe, info)}
+    wrapped = head in adapted or named_in(head, recipe.adapter.modules_to_save or [])
+    return not wrapped

@@ -1,25 +1,35 @@
 """Devices the estimator plans for: memory, peak FLOP/s and the MFU a training run usually reaches.
 
-GPU peaks are the dense bf16/fp16 tensor-core figures of workbench.metrics (one table for both);
-the CPU's memory is this machine's RAM and its peak is measured lazily by the same matmul probe
-that runs report MFU against.
+GPU peaks are the dense bf16/fp16 tensor-core figures of GPU_PEAK_FLOPS (one table for both, and the one
+runs report MFU against); the CPU's memory is this machine's RAM and its peak is measured lazily by the
+matmul probe of workbench.hardware.probes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
-from .errors import WorkbenchError
-from .metrics import GPU_PEAK_FLOPS
+from ..errors import WorkbenchError
+from ..precision import cpu_half
+from .probes import matmul_peak, once
 
 GiB = 2**30
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 # Model FLOPs utilisation assumed for throughput predictions: 0.4 is what well-tuned LoRA and full
 # fine-tuning reach on recent GPUs (0.3-0.5 is common). The CPU figure is what runs of
 # builtin:smollm2-135m reached against the bf16 matmul probe on a 2-core machine (docs/estimator.md).
@@ -41,8 +51,6 @@ class Device:
             return self.peak_flops
         import torch
 
-        from .metrics import peak_flops
-
         return peak_flops("cpu", dtype, torch.get_num_threads())[0]
 
     def to_json(self) -> dict:
@@ -50,7 +58,7 @@ class Device:
                 "peak_flops": self.peak_flops, "mfu": self.mfu}
 
 
-_GPU_KEYS: dict[str, str] = {}  # preset name -> key of metrics.GPU_PEAK_FLOPS (matched in device names)
+_GPU_KEYS: dict[str, str] = {}  # preset name -> key of GPU_PEAK_FLOPS (matched in device names)
 
 
 def _gpu(name: str, gib: float, flops_key: str, bf16: bool = True) -> Device:
@@ -133,72 +141,25 @@ def get_device(name: str | None = None, memory: int | str | None = None) -> Devi
     return device
 
 
-# -- what a training process holds before its model ------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def cpu_runtime_bytes() -> int:
-    """Peak RSS of a fresh process that imports the training stack and runs one toy LoRA step.
-
-    Measured once per set of library versions (a few seconds in a subprocess) and cached on disk.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .builtin import read_cache_json, write_cache_json
-
-    def ver(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "-"
-
-    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak); "unwrap": the probe
-    # unwraps its model as runs do, which imports DeepSpeed where it is installed
-    key = "|".join(["vmhwm-unwrap", sys.version.split()[0], sys.platform] + [ver(p) for p in (
-        "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers", "deepspeed")])
-    cached = read_cache_json("cpu_runtime.json")
-    if key in cached:
-        return int(cached[key])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", "from workbench.devices import _probe; _probe()"],
-                            capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode or not lines:
-        raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
-    measured = int(json.loads(lines[-1])["peak_rss_bytes"])
-    write_cache_json("cpu_runtime.json", {**cached, key: measured})
-    return measured
-
-
-def _probe() -> None:
-    """Run in a fresh process: what every training process holds before its model (see cpu_runtime_bytes)."""
-    import datasets
+@once
+def peak_flops(device_type: str, dtype_name: str, threads: int) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from): a data-sheet figure on known GPUs, else a matmul probe."""
     import torch
-    from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    import workbench.train  # noqa: F401  (the whole training stack)
-    from workbench.builtin import CHATML_TEMPLATE
-    from workbench.metrics import peak_rss_bytes
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops, f"datasheet:{key}"
+    size = peak_probe_size(device_type, getattr(torch, dtype_name))
+    return matmul_peak(device_type, dtype_name, threads, size), f"probe:{dtype_name}:{threads}threads"
 
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>")
-    tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
-    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).map(lambda row: row)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # Every run unwraps its model, and Accelerate's unwrap imports DeepSpeed where it is installed (~140 MiB).
-    accelerator.unwrap_model(model)
-    ids = torch.randint(0, 64, (2, 16))
-    for _ in range(2):
-        accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+
+def peak_probe_size(device_type: str, dtype) -> int:
+    """The matmul size a peak probe times: 1024, or 256 for a half type this CPU has no native kernel for
+    (bf16 on AVX2), where a 1024 matmul alone takes seconds."""
+    import torch
+
+    if device_type == "cpu" and dtype != torch.float32 and cpu_half().half is None:
+        return 256
+    return 1024

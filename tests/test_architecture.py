@@ -1,0 +1,78 @@
+"""The package's shape: no module-level import cycle among workbench's modules (a new one fails here, with the
+circle it closes)."""
+
+import ast
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "workbench"
+
+
+def module_names() -> dict[str, object]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def module_level_imports(name: str, path, modules: dict) -> set[str]:
+    """The package's modules that `name` imports when it is itself imported (not inside functions, not under
+    `if TYPE_CHECKING:`)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    statements = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        statements += node.body + [h for handler in node.handlers for h in handler.body] \
+            if isinstance(node, ast.Try) else [node]
+    for node in statements:
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in modules else base)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {target for target in found if target in modules and target != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for target in sorted(graph[node]):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_no_module_level_import_cycle():
+    modules = module_names()
+    graph = {name: module_level_imports(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 30 and any(graph.values())  # the walk sees the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

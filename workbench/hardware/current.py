@@ -1,0 +1,67 @@
+"""Where this process runs: its device, the processes and machines of its launch, the CPU's model."""
+
+from __future__ import annotations
+
+import os
+
+# launchers' names for the number of processes in the launch (torchrun, MPI, MVAPICH)
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def local_kind() -> str:
+    """"cuda" or "cpu": the kind of device a process here computes on. Creates no CUDA context (the launcher
+    asks before it starts any worker)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def current_device() -> str:
+    """The device this process computes on: "cuda:N" (its current GPU) or "cpu"."""
+    kind = local_kind()
+    if kind == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return kind
+
+
+def world_size_from_env() -> int:
+    """Processes in this launch, as the launcher set them (1 outside a launch)."""
+    for name in WORLD_SIZE_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def processes_per_node() -> int:
+    """Processes on this machine: LOCAL_WORLD_SIZE as torchrun sets it, else every process of the launch."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size_from_env()))
+
+
+def node_count() -> int:
+    """Machines in this launch: NUM_NODES (`workbench launch --nnodes` sets it), else the processes of the
+    launch over those of this machine (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE), else 1."""
+    value = os.environ.get("NUM_NODES", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, world_size_from_env() // max(1, processes_per_node()))
+
+
+def cpu_model_name() -> str:
+    """The CPU's model and the flags that decide its matmul speed per dtype ("AMD EPYC" alone names CPUs
+    with and without bf16 kernels): the key of every per-CPU measurement the project caches."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name == "model name" and not model:
+                    model = value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    speed_flags = sorted(f for f in flags if "bf16" in f or "amx" in f or f in ("avx512f", "avx2", "fp16", "sve"))
+    return " ".join([model, *speed_flags]).strip()

@@ -1,0 +1,332 @@
+"""Every measurement of this machine, with one cache.
+
+Each probe's result is kept in a table under cache_dir()/estimator (one JSON file per probe, keyed by what the
+result depends on: the CPU model, the library versions, a shape ...), so a later process on this machine reads
+it instead of measuring; a key it has not seen is measured again. Within a process every probe runs at most
+once per arguments (`once`). A read-only cache costs a measurement next time, never the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..builtin import cache_dir
+from ..errors import WorkbenchError
+from .current import cpu_model_name
+
+PROBE_ENV = "LORA_WORKBENCH_MATMUL_RATES"  # "bf16=0.8,fp32=39" (GFLOP/s): use these instead of probing
+
+# -- the cache: on disk, and once per process --------------------------------------------------------------
+
+_memo: dict[tuple, Any] = {}  # (probe, its arguments) -> its result in this process
+
+
+def once(probe: Callable) -> Callable:
+    """Run `probe` at most once per process for each set of (hashable, positional) arguments."""
+
+    @functools.wraps(probe)
+    def remembered(*args):
+        key = (probe.__name__, *args)
+        if key not in _memo:
+            _memo[key] = probe(*args)
+        return _memo[key]
+
+    return remembered
+
+
+def read_cache_json(name: str) -> dict:
+    """A small JSON table under cache_dir()/estimator ({} when missing or unreadable)."""
+    try:
+        return json.loads((cache_dir() / "estimator" / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache_json(name: str, data: dict) -> None:
+    """Replace the table atomically: several processes (ranks, tests) may write it at once."""
+    path = cache_dir() / "estimator" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def stored(table: str, key: str, measure: Callable[[], Any], best: bool = False) -> tuple[Any, bool]:
+    """(value, whether it came from the disk): the value kept under `key` in `table`, else `measure()` kept there.
+    best=True: measure anyway and keep the highest value ever seen (a peak is a property of the hardware, and
+    a probe that shares the cores with another busy thread only ever reads low)."""
+    seen = read_cache_json(table).get(key)
+    if seen is not None and not best:
+        return seen, True
+    value = measure()
+    if best and seen is not None and value <= seen:
+        return float(seen), True
+    try:
+        write_cache_json(table, {**read_cache_json(table), key: value})
+    except OSError:
+        pass
+    return value, False
+
+
+# -- matmul rates --------------------------------------------------------------------------------------------
+
+
+def matmul_rate(device_type: str, dtype, size: int, seconds: float, repeats: int = 1) -> float:
+    """The best FLOP/s of (size × size) matmuls in `dtype` over about `seconds`, each timing `repeats` matmuls.
+
+    Two callers ask different questions: the precision decision wants a rate in a fraction of a second even where
+    a kernel is 50x slow (256, 0.1 s, one matmul per timing); the MFU peak wants the rate of large matmuls
+    (1024, 0.5 s, four per timing, 256 where the half type has no native kernel)."""
+    import torch
+
+    device = torch.device(device_type)
+    # its own generator: the probe may run mid-training (or right after a resume restored the RNG)
+    # and must not move the global RNG that dropout draws from
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    torch.matmul(a, b)  # warm up kernels and caches
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        best = max(best, repeats * 2 * size**3 / max(now - start, 1e-9))
+        if now > deadline:
+            return best
+
+
+def cpu_matmul_rates() -> tuple[float, float, str]:
+    """(bf16, fp32) matmul GFLOP/s of this CPU and where they came from: the PROBE_ENV variable, the
+    cache of an earlier probe on this CPU model and torch version, or a probe now (about 0.3 s)."""
+    injected = os.environ.get(PROBE_ENV)
+    if injected:
+        return (*_parse_rates(injected), PROBE_ENV)
+    return _probed_cpu_rates()
+
+
+@once
+def _probed_cpu_rates() -> tuple[float, float, str]:
+    import torch
+
+    def measure() -> dict:
+        return {name: matmul_rate("cpu", dtype, size=256, seconds=0.1) / 1e9
+                for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+
+    rates, cached = stored("cpu_precision.json", f"{cpu_model_name()}|torch {torch.__version__}", measure)
+    return float(rates["bf16"]), float(rates["fp32"]), "probe, cached" if cached else "probe"
+
+
+def _parse_rates(text: str) -> tuple[float, float]:
+    try:
+        rates = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+        return rates["bf16"], rates["fp32"]
+    except (KeyError, ValueError) as err:
+        raise WorkbenchError(f"{PROBE_ENV}: expected e.g. 'bf16=0.8,fp32=39' (GFLOP/s), got {text!r}") from err
+
+
+def matmul_peak(device_type: str, dtype_name: str, threads: int, size: int = 1024) -> float:
+    """The highest matmul rate (FLOP/s) seen on this machine for this dtype and thread count."""
+    import torch
+
+    measured = matmul_rate(device_type, getattr(torch, dtype_name), size=size, seconds=0.5, repeats=4)
+    key = f"{device_type}|{dtype_name}|{threads}|{cpu_model_name()}"
+    return float(stored("matmul_peak.json", key, lambda: measured, best=True)[0])
+
+
+# -- what a training process holds before its model -----------------------------------------------------------
+
+
+@once
+def cpu_runtime_bytes() -> int:
+    """Peak RSS of a fresh process that imports the training stack and runs one toy LoRA step.
+
+    Measured once per set of library versions (a few seconds in a subprocess) and cached on disk.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak); "unwrap": the probe
+    # unwraps its model as runs do, which imports DeepSpeed where it is installed
+    key = "|".join(["vmhwm-unwrap", sys.version.split()[0], sys.platform] + [ver(p) for p in (
+        "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers", "deepspeed")])
+    return int(stored("cpu_runtime.json", key, _measure_runtime)[0])
+
+
+def _measure_runtime() -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", "from workbench.hardware.probes import runtime_probe; "
+                             "runtime_probe()"], capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
+    return int(json.loads(lines[-1])["peak_rss_bytes"])
+
+
+def runtime_probe() -> None:
+    """Run in a fresh process: what every training process holds before its model (see cpu_runtime_bytes)."""
+    import datasets
+    import torch
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    import workbench.train  # noqa: F401  (the whole training stack)
+    from workbench.builtin import CHATML_TEMPLATE
+    from workbench.metrics import peak_rss_bytes
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>")
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).map(lambda row: row)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Every run unwraps its model, and Accelerate's unwrap imports DeepSpeed where it is installed (~140 MiB).
+    accelerator.unwrap_model(model)
+    ids = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+
+
+# -- attention ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """Seconds of one attention forward + backward on this CPU (workbench/packed_attention.py):
+    per-sample = calls·per_call + Σn²·per_score; masked = rows·(masked_call + L²·masked_score)."""
+
+    per_call: float
+    per_score: float
+    masked_call: float
+    masked_score: float
+
+    def per_sample(self, spans: list[list]) -> float:
+        calls = sum(len(row) for row in spans)
+        # a shared prompt adds (answer × prompt) scores, all of them computed, against causal n² / 2
+        scores = sum(span.length ** 2 + 2 * span.length * span.prefix for row in spans for span in row)
+        return calls * self.per_call + scores * self.per_score
+
+    def masked(self, rows: int, length: int) -> float:
+        return rows * (self.masked_call + length * length * self.masked_score)
+
+
+def attention_costs(heads: int, kv_heads: int, head_dim: int, dtype) -> AttentionCosts:
+    """Measured once per shape, dtype and thread count on this CPU; cached in the process and on disk, so
+    every run on this machine (a resumed one too) takes the same path for the same batch."""
+    import torch
+
+    return _attention_costs(heads, kv_heads, head_dim, dtype, torch.get_num_threads())
+
+
+def measured_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts | None:
+    """What attention_costs measured in this process for these arguments, or None: never measures (a forward
+    asks it)."""
+    return _memo.get(("_attention_costs", heads, kv_heads, head_dim, dtype, threads))
+
+
+@once
+def _attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts:
+    import torch
+
+    key = f"{cpu_model_name()}|torch {torch.__version__}|" + "|".join(
+        map(str, (heads, kv_heads, head_dim, str(dtype), threads)))
+    values, _ = stored("attention_costs.json", key,
+                       lambda: _measure_attention_costs(heads, kv_heads, head_dim, dtype).__dict__)
+    return AttentionCosts(**values)
+
+
+def _measure_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, length: int = 256) -> AttentionCosts:
+    """Two timings per path (a row of many short samples, one of a single long one) fix its two constants."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..packed_attention import PerSampleAttention, _mask_of, sample_spans
+
+    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
+
+    def timed(run, lengths) -> float:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        spans = sample_spans(positions, 1)
+        q = torch.randn(1, heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+        k, v = (torch.randn(1, kv_heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+                for _ in range(2))
+        best = float("inf")
+        for _ in range(3):  # best of three: other work on the machine only ever adds time
+            start = time.perf_counter()
+            run(q, k, v, positions, spans).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def per_sample(q, k, v, positions, spans):
+        return PerSampleAttention.apply(q, k, v, spans, head_dim ** -0.5)
+
+    def masked(q, k, v, positions, spans):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_of(positions, spans, q.shape[2]),
+                                              enable_gqa=heads != kv_heads)
+
+    short, long = [16] * (length // 16), [length]
+    many, one = timed(per_sample, short), timed(per_sample, long)
+    # many = 16·call + 16·16²·score, one = call + 256²·score
+    per_score = max((16 * one - many) / (16 * length**2 - len(short) * 16**2), 1e-15)
+    per_call = max((one - length**2 * per_score), 0.0)
+    full, small = timed(masked, long), timed(masked, [length // 4])
+    masked_score = max((full - small) / (length**2 - (length // 4) ** 2), 1e-15)
+    return AttentionCosts(per_call, per_score, max(small - (length // 4) ** 2 * masked_score, 0.0), masked_score)
+
+
+@once
+def flex_backward_error(heads: int, kv_heads: int, head_dim: int, dtype) -> str:
+    """'' when a compiled FlexAttention forward + backward with a document mask runs on this GPU, else the error.
+    Probed once per GPU, torch version, shape and dtype."""
+    import torch
+
+    key = f"{torch.cuda.get_device_name()}|torch {torch.__version__}|{heads}|{kv_heads}|{head_dim}|{dtype}"
+    return stored("flex_attention.json", key, lambda: _probe_flex_backward(heads, kv_heads, head_dim, dtype))[0]
+
+
+def _probe_flex_backward(heads: int, kv_heads: int, head_dim: int, dtype) -> str:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    try:
+        block = 128  # FlexAttention's default block size (attention.FLEX_BLOCK): two documents of one block each
+        length = 2 * block
+        document = torch.arange(length, device="cuda") // block
+        mask = create_block_mask(lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), 1, 1, length, length,
+                                 device="cuda")
+        q = torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, length, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        torch.compile(flex_attention)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
+        torch.cuda.synchronize()
+        return ""
+    except Exception as err:  # noqa: BLE001  any failure means: not on this GPU
+        return f"FlexAttention's backward failed on this GPU: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
