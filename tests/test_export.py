@@ -91,7 +91,7 @@ def test_merge_refuses_a_bad_dtype_or_an_output_that_would_destroy_data(tiny_run
         merge(tiny_run.run_dir, out=tiny_run.run_dir)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
-    with pytest.raises(WorkbenchError, match="--out: .* is not a model folder"):
+    with pytest.raises(WorkbenchError, match="--out: .* exists and was not written by workbench merge"):
         merge(tiny_run.run_dir, out=tmp_path / "notes")
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
@@ -280,3 +280,111 @@ def test_a_damaged_adapter_is_one_line_naming_the_file_and_merge_leaves_nothing(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {damaged}: damaged adapter"), (argv, err)
     assert sorted(run_dir.rglob("*")) == before  # no merged/ or merged.tmp/ left
+
+
+@pytest.mark.parametrize("spelling", ["false", "no", "off", "0"])
+def test_a_run_recipe_saying_no_to_remote_code_never_runs_the_models_code(tmp_path, spelling):
+    """The run's recipe is read through the schema, where the text "false" is False: bool("false") is True."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "evil"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    (model / "evil.py").write_text(f"import pathlib\npathlib.Path({str(model / 'RAN')!r}).touch()\n"
+                                   "from transformers import PretrainedConfig\n\n\n"
+                                   "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    run_dir = tmp_path / "runs" / "x"
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "run.json").write_text("{}")
+    (run_dir / "recipe.yaml").write_text(f"name: x\nmodel:\n  path: {model}\n  trust_remote_code: '{spelling}'\n")
+    (run_dir / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    save_file({"w": torch.zeros(1)}, str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for load in (lambda: load_for_inference(run_dir, base=True, device="cpu"),
+                 lambda: load_for_inference(run_dir, device="cpu"), lambda: merge(run_dir, out=tmp_path / "merged")):
+        with pytest.raises(Exception):
+            load()
+        assert not (model / "RAN").exists()
+    (run_dir / "recipe.yaml").write_text("name: x\nmodel:\n  path: builtin:tiny\n  trust_remote_code: maybe\n")
+    with pytest.raises(WorkbenchError, match="trust_remote_code"):
+        load_for_inference(run_dir, base=True, device="cpu")
+
+
+def test_merge_replaces_only_its_own_merge_and_stages_under_a_name_of_its_own(tiny_run, tmp_path):
+    user = tmp_path / "usermodel"
+    user.mkdir()
+    (user / "config.json").write_text('{"model_type": "llama"}')
+    (user / "model.safetensors").write_bytes(b"the user's own weights")
+    (tmp_path / "usermodel.tmp").mkdir()
+    (tmp_path / "usermodel.tmp" / "important.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(WorkbenchError, match=rf"^--out: {user} exists and was not written by workbench merge"):
+        merge(tiny_run.run_dir, out=user, dtype="float32")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    out = tmp_path / "merged"
+    (tmp_path / "merged.tmp").mkdir()
+    (tmp_path / "merged.tmp" / "important.txt").write_text("mine too")
+    first = merge(tiny_run.run_dir, out=out, dtype="float32")
+    assert (first / "model.safetensors").exists()
+    weights = (out / "model.safetensors").read_bytes()
+    again = merge(tiny_run.run_dir, out=out, dtype="float32")  # its own earlier merge: replaced
+    assert again == out and (out / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "merged.tmp" / "important.txt").read_text() == "mine too"
+    assert (tmp_path / "usermodel.tmp" / "important.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "merged.tmp", "usermodel", "usermodel.tmp"]
+
+
+def damage_adapter(run_dir, damage: str):
+    """Damage beyond truncation; returns the file the error must name."""
+    config_file = run_dir / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    if damage == "empty config":
+        config = {}
+    elif damage == "unknown peft_type":
+        config["peft_type"] = "BOGUS"
+    elif damage == "rank changed":
+        config["r"] = config["r"] // 2
+    config_file.write_text(json.dumps(config))
+    return config_file
+
+
+@pytest.mark.parametrize("damage, reason", [("empty config", "no peft_type"),
+                                            ("unknown peft_type", "unknown peft_type 'BOGUS'"),
+                                            ("rank changed", "r is 4 but")])
+def test_a_damaged_adapter_config_is_one_line_in_every_command(tiny_run, tmp_path, capsys, damage, reason):
+    import shutil
+
+    from workbench.chat import main as chat_main
+    from workbench.cli import main
+
+    run_dir = tmp_path / "runs" / "copy"
+    shutil.copytree(tiny_run.run_dir, run_dir)
+    damaged = damage_adapter(run_dir, damage)
+    before = sorted(run_dir.rglob("*"))
+    commands = {"merge": lambda: main(["merge", str(run_dir)]),
+                "generate": lambda: main(["generate", str(run_dir), "--prompt", "hi"]),
+                "export": lambda: main(["export", str(run_dir), "--out", str(tmp_path / "out" / "x.gguf")]),
+                "chat": lambda: chat_main([str(run_dir)])}
+    for name, command in commands.items():
+        capsys.readouterr()
+        assert command() == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {damaged}: damaged adapter"), (name, err)
+        assert reason in err[0], (name, err)
+    assert sorted(run_dir.rglob("*")) == before and not (tmp_path / "out").exists()
+
+
+def test_an_adapter_that_does_not_fit_its_base_is_one_line_naming_the_weights(tiny_run, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(tiny_run.run_dir, run_dir)
+    weights = run_dir / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    tensors = {k: (v[:, :-1].contiguous() if "lora_A" in k else v) for k, v in tensors.items()}  # another base's
+    save_file(tensors, weights)
+    with pytest.raises(WorkbenchError, match=rf"^{weights}: damaged adapter .*does not fit") as err:
+        load_for_inference(run_dir, device="cpu")
+    assert "\n" not in str(err.value)

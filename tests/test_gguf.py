@@ -519,3 +519,33 @@ def test_an_out_folder_that_cannot_be_written_is_one_line_naming_the_users_path(
     code, err = cli_error(["export", str(tiny_run), "--out", str(out)], capsys)
     assert code == 1 and err == [f"error: --out: cannot write {out} (Permission denied)"]
     assert not any(locked.iterdir())
+
+
+def test_a_second_export_into_a_folder_says_its_modelfile_moved_and_a_replacement_names_what_it_replaced(
+        tiny_run, tmp_path):
+    import warnings
+
+    from workbench.cli import main
+
+    def notices(argv) -> list[str]:  # the CLI prints each as one line "warning: ..."
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(argv) == 0
+        return [str(w.message) for w in caught if str(tmp_path) in str(w.message)]
+
+    folder = tmp_path / "e3"
+    assert notices(["export", str(tiny_run), "--quant", "f32", "--out", str(folder / "tiny-f32.gguf")]) == []
+    assert notices(["export", str(tiny_run), "--quant", "q8_0", "--out", str(folder / "tiny-q8_0.gguf")]) == [
+        f"{folder / 'Modelfile'} now points to tiny-q8_0.gguf; it pointed to tiny-f32.gguf, which stays (set FROM "
+        "back to it to create an Ollama model from that file)"]
+    assert modelfile_body(folder / "Modelfile").startswith("FROM ./tiny-q8_0.gguf\n")
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "tiny-f32.gguf", "tiny-q8_0.gguf"]
+
+    # an earlier export somewhere else, of another model: the output says which export it replaced
+    elsewhere = tmp_path / "models" / "mine.gguf"
+    export("builtin:tiny", quant="q8_0", out=elsewhere)
+    assert notices(["export", str(tiny_run), "--quant", "f32", "--out", str(elsewhere)]) == [
+        f"replaced {elsewhere}, an earlier export of builtin:tiny (q8_0)"]
+    assert modelfile_body(elsewhere.with_name("Modelfile")).startswith("FROM ./mine.gguf\n")
+    assert notices(["export", str(tiny_run), "--quant", "f32", "--out", str(elsewhere)]) == [
+        f"replaced {elsewhere}, an earlier export of {tiny_run} (f32)"]

@@ -362,36 +362,45 @@ print(json.dumps(states))
 """
 
 
+@pytest.mark.parametrize("earlier", ["completed", "interrupted"])
 def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_and_replaces_cleanly(tiny_recipe,
-                                                                                                tmp_path):
+                                                                                                tmp_path, earlier):
     from workbench.preflight import check_output_dir
+    from workbench.runs import RUN_ENTRIES, is_leftover
 
-    recipe = tiny_recipe.override("training.max_steps=2", "output.save_every=1", "output.keep_last=2")
-    done = train(recipe, progress_bar=False)
-    mine = users_own_files(done.run_dir)
-    old = {p.relative_to(done.run_dir): p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    if earlier == "completed":
+        recipe = tiny_recipe.override("training.max_steps=2", "output.save_every=1", "output.keep_last=2")
+        run_dir = train(recipe, progress_bar=False).run_dir
+    else:  # died after saving step 2 of 4: its checkpoint is what a resume would continue from
+        recipe, interrupted = interrupted_run(tiny_recipe)
+        run_dir = interrupted.path
+    mine = users_own_files(run_dir)
+    old = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     work = tmp_path / "kills"
     work.mkdir()
-    script = subprocess.run([sys.executable, "-c", KILL_AT, str(done.run_dir), str(work)], cwd=ROOT,
+    script = subprocess.run([sys.executable, "-c", KILL_AT, str(run_dir), str(work)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert script.returncode == 0, script.stderr[-3000:]
     states = [Path(p) for p in json.loads(script.stdout.strip().splitlines()[-1])]
     assert len(states) > 5  # the last one finished; each earlier one was killed at a later point
     for state in states:
         assert {p: (state / p).read_bytes() for p in mine} == mine, state  # the user's files, always
+        for aside in state.glob(".replaced-*"):  # what a kill left aside is the earlier run's, nothing else
+            assert all(p.name in (*RUN_ENTRIES, "run.json") or is_leftover(p.name) for p in aside.iterdir()), aside
         run = load_run(state)  # always a run directory that reads
-        if run.summary["status"] == "completed":  # the earlier run, whole (its checkpoints may be gone)
-            for name, data in old.items():
-                if name.parts[0] != "checkpoints":
+        latest = RunDir(state).latest_checkpoint()
+        if (state / "run.json").read_bytes() == old[Path("run.json")]:  # the earlier run, whole
+            for name, data in old.items():  # (its checkpoints all there, or all gone aside)
+                if name.parts[0] != "checkpoints" or latest is not None:
                     assert (state / name).read_bytes() == data, (state, name)
         else:  # the new run's record: it died starting, and nothing of the old run can be resumed
-            assert run.summary["status"] == "died", state
-            assert RunDir(state).latest_checkpoint() is None, state
-        if RunDir(state).latest_checkpoint() is not None:  # the old run as it was
-            assert run.summary["status"] == "completed"
+            assert run.summary["status"] == "died" and latest is None, state
         resume = RunDir(state)
-        with pytest.raises(WorkbenchError, match="nothing to resume|no complete checkpoint"):
-            resume.claim(resume=True, overwrite=False)
+        if earlier == "interrupted" and latest is not None:
+            resume.claim(resume=True, overwrite=False)  # the interrupted run as it was: it can continue
+        else:
+            with pytest.raises(WorkbenchError, match="nothing to resume|no complete checkpoint"):
+                resume.claim(resume=True, overwrite=False)
         resume.release()
         check_output_dir(recipe.override(f"output.dir={state}"))  # an --overwrite is accepted ...
         again = RunDir(state)
@@ -405,3 +414,38 @@ def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_a
         result = train(recipe.override(f"output.dir={middle}", "training.max_steps=1"), overwrite=True,
                        progress_bar=False)
     assert result.summary["status"] == "completed" and {p: (middle / p).read_bytes() for p in mine} == mine
+
+
+def test_overwrite_refuses_a_run_json_another_tool_wrote(tiny_recipe):
+    folder = tiny_recipe.run_dir
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "weights.bin").write_bytes(b"another tool's model")
+    (folder / "recipe.yaml").write_text("lr: 1e-3\n")
+    (folder / "notes.txt").write_text("mine")
+    (folder / "run.json").write_text(json.dumps({"experiment": "other tool"}))
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    with pytest.raises(WorkbenchError, match=rf"^{folder / 'run.json'}: not a workbench run record") as err:
+        train(tiny_recipe.override("training.max_steps=1"), overwrite=True, progress_bar=False)
+    assert "\n" not in str(err.value)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_removes_the_exact_leftovers_it_writes_and_no_look_alike_of_the_users(tiny_recipe, tmp_path):
+    folder = tiny_recipe.run_dir
+    folder.mkdir(parents=True)
+    write_json_atomic(folder / "run.json", {"env": {}, "summary": {"status": "completed"}})
+    leftovers = [".tmp-adapter", ".old-adapter", ".tmp-model", ".old-model", ".replaced-123-ab_cd9yz",
+                 ".run.json.tmp", "metrics.tmp", ".workbench-write-test-k2j_x81q"]
+    users = [".tmp-mynotes", ".old-ideas.txt", ".replaced-by-v2", ".run.json.bak", ".workbench-write-test-notes"]
+    for name in leftovers + users:
+        (folder / name).write_text(name)
+    run = RunDir(folder)
+    run.claim(resume=False, overwrite=True)
+    try:
+        with pytest.warns(UserWarning, match="kept"):
+            kept = run.clear()
+    finally:
+        run.release()
+    assert sorted(kept) == sorted(users)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*users, "run.json"])
+    assert all((folder / name).read_text() == name for name in users)

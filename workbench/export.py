@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from .errors import RecipeError, WorkbenchError
+from .hardware.current import local_kind
 from .hub import check_hub_access, hub_offline, push_folder  # noqa: F401  (their home was here)
 from .model_card import write_model_card_or_warn
 from .quiet import leaves_the_process_as_found
 
 
 # -- loading ----------------------------------------------------------------------------------
-
-
-def inference_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def inference_dtype(device: torch.device) -> torch.dtype:
@@ -30,9 +28,13 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     return getattr(torch, DTYPE_OF[device_half("cuda").half])
 
 
-def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None):
+def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None,
+                       recipe=None):
     """(model, tokenizer) in eval mode from a run directory (its tuned model, or its base with base=True)
     or from a model path (folder, builtin:NAME, hub id).
+
+    The run's base model is the one its recipe names, read through the schema (`Run.checked_recipe`); `recipe`
+    stands in for it when the caller has already read and checked that recipe (the UI: paths made absolute).
 
     A QLoRA run's adapter is applied to the base loaded unquantized, as `merge` does.
     """
@@ -43,7 +45,7 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     from .runs import load_run
 
     quiet_libraries()
-    device = torch.device(device) if device is not None else inference_device()
+    device = torch.device(device if device is not None else local_kind())
     dtype = inference_dtype(device)
     source = Path(source)
     if not (source / "run.json").exists():
@@ -56,8 +58,8 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     if not base and full_model.exists():  # full fine-tuning saved the whole model
         model = AutoModelForCausalLM.from_pretrained(full_model, dtype=dtype)
         return model.to(device).eval(), _tokenizer(full_model)
-    model_cfg = run.recipe.get("model", {})
-    base_path = resolve_model_path(model_cfg["path"])
+    model_cfg = (recipe if recipe is not None else run.checked_recipe()).model
+    base_path = resolve_model_path(model_cfg.path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **_hub_options(model_cfg)).to(device)
     # The adapter folder holds the tokenizer training used (pad token included): prefer it.
     tokenizer = _tokenizer(run.adapter_dir if (run.adapter_dir / "tokenizer_config.json").exists() else base_path)
@@ -84,6 +86,39 @@ def check_adapter(source, adapter_dir: Path) -> None:
         raise WorkbenchError(f"{config}: damaged adapter (not a readable JSON mapping: {err}); {DAMAGED_ADVICE}") \
             from None
     check_weights(adapter_dir / "adapter_model.safetensors")
+    check_adapter_config(config, adapter_dir / "adapter_model.safetensors")
+
+
+def check_adapter_config(config_file: Path, weights: Path) -> None:
+    """An adapter_config.json that peft can build a config from, whose rank is the rank of the saved weights:
+    one line naming the file and what is wrong, not peft's KeyError or a page of shape mismatches."""
+    from peft import PeftConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+    from safetensors import safe_open
+
+    def damaged(reason: str) -> WorkbenchError:
+        return WorkbenchError(f"{config_file}: damaged adapter ({reason}); {DAMAGED_ADVICE}")
+
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    peft_type = data.get("peft_type")
+    if peft_type is None:
+        raise damaged("no peft_type: not a PEFT adapter config")
+    if not isinstance(peft_type, str) or peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING:
+        raise damaged(f"unknown peft_type {peft_type!r}")
+    try:
+        config = PeftConfig.from_pretrained(str(config_file.parent))
+    except Exception as err:  # peft refuses a bad value in many ways (TypeError, ValueError, ...)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise damaged(f"peft cannot read it as a {peft_type} config: {first}") from None
+    rank = getattr(config, "r", None)
+    if peft_type != "LORA" or not isinstance(rank, int) or getattr(config, "rank_pattern", None):
+        return  # per-module ranks: the load itself checks them (load_adapter)
+    with safe_open(weights, framework="pt") as handle:
+        for key in handle.keys():
+            if key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight"):
+                saved = handle.get_slice(key).get_shape()[0 if key.endswith(".lora_A.weight") else 1]
+                if saved != rank:
+                    raise damaged(f"r is {rank} but {weights.name} holds rank-{saved} weights ({key})")
 
 
 DAMAGED_ADVICE = "restore it from a copy, or train the run again (--overwrite)"
@@ -110,6 +145,12 @@ def load_adapter(model, adapter_dir: Path):
 
     try:
         return PeftModel.from_pretrained(model, adapter_dir)
+    except RuntimeError as err:  # weights of other shapes than the model's: another base, an edited config
+        if "size mismatch" not in str(err):
+            raise
+        first = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
+        raise WorkbenchError(f"{adapter_dir / 'adapter_model.safetensors'}: damaged adapter (it does not fit the "
+                             f"base model: {first.rstrip('.')}); {DAMAGED_ADVICE}") from None
     except SafetensorError as err:
         raise WorkbenchError(f"{adapter_dir / 'adapter_model.safetensors'}: damaged adapter ({err}); "
                              f"{DAMAGED_ADVICE}") from None
@@ -124,8 +165,9 @@ def _tokenizer(path):
     return tokenizer
 
 
-def _hub_options(model_cfg: dict) -> dict:
-    return {"revision": model_cfg.get("revision"), "trust_remote_code": bool(model_cfg.get("trust_remote_code"))}
+def _hub_options(model_cfg) -> dict:
+    """From the recipe's validated model section (never the raw YAML, where bool("no") is True)."""
+    return {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code is True}
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -159,11 +201,12 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
 
 
 @leaves_the_process_as_found
-def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64) -> str:
-    """Answer a prompt with a run's tuned model (or its base), or with any model path."""
+def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64, recipe=None) -> str:
+    """Answer a prompt with a run's tuned model (or its base), or with any model path (`recipe`: see
+    `load_for_inference`)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise RecipeError(f"--max-new-tokens: must be a positive whole number, got {max_new_tokens!r}")
-    model, tokenizer = load_for_inference(source, base=base)
+    model, tokenizer = load_for_inference(source, base=base, recipe=recipe)
     return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
 
 
@@ -202,8 +245,8 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
         tokenizer = _tokenizer(full_model)
     else:
         check_adapter(run.path, run.adapter_dir)
-        model_cfg = run.recipe.get("model", {})
-        base_path = resolve_model_path(model_cfg["path"])
+        model_cfg = run.checked_recipe().model
+        base_path = resolve_model_path(model_cfg.path)
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype], **_hub_options(model_cfg))
         model = load_adapter(base, run.adapter_dir).merge_and_unload()
         tokenizer = _tokenizer(run.adapter_dir)
@@ -212,24 +255,68 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     if generation.pad_token_id is None:
         generation.pad_token_id = tokenizer.pad_token_id
 
-    # Written beside the target and renamed into place, so a crash never leaves a half model.
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
-    tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
-    write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    # Written beside the target under a name of this merge's own and renamed into place, so a crash never
+    # leaves a half model and no folder of the user's is taken for the staging one.
+    staging = _staging_folder(out)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
+        tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
+        write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
+        (staging / MERGE_MARK).write_text(json.dumps({"written_by": "workbench merge", "run": str(run.path)}) + "\n")
+        _check_out(out, run.path)  # again: a folder may have been put there while the model was merged
+        replaced = staging.with_name(staging.name + ".replaced")
+        if out.exists() or out.is_symlink():
+            os.rename(out, replaced)  # only an earlier merge or an empty folder (_check_out)
+        os.rename(staging, out)
+        shutil.rmtree(replaced, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     if push_to_hub:
         push_folder(out, push_to_hub)
     return out
 
 
+# Written into every merged folder: the mark of a folder that a later merge may replace (see `is_earlier_merge`).
+MERGE_MARK = ".workbench-merge.json"
+
+
+def is_earlier_merge(folder: Path) -> bool:
+    """Whether `folder` is a model folder `merge` wrote (it holds MERGE_MARK)."""
+    try:
+        if folder.is_symlink() or not folder.is_dir():
+            return False
+        mark = json.loads((folder / MERGE_MARK).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("written_by") == "workbench merge"
+
+
 def _check_out(out: Path, run_path: Path) -> None:
-    """Refuse a target whose replacement would delete the run or an unrelated folder."""
+    """Refuse a target whose replacement would delete the run or anything else merge did not write: what exists
+    at `out` is replaced only when it is an empty folder or an earlier merge (MERGE_MARK)."""
     target, run_path = out.resolve(), run_path.resolve()
     if target == run_path or target in run_path.parents or target == run_path / "adapter":
         raise WorkbenchError(f"--out: {out} would overwrite the run itself; choose another folder")
-    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "config.json").exists())):
-        raise WorkbenchError(f"--out: {out} exists and is not a model folder; choose a new or empty folder")
+    try:
+        empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+        taken = out.exists() or out.is_symlink()
+    except OSError as err:
+        raise WorkbenchError(f"--out: {out}: {err.strerror or err}") from None
+    if taken and not empty and not is_earlier_merge(out):
+        raise WorkbenchError(f"--out: {out} exists and was not written by workbench merge (only its own merges "
+                             "are replaced); choose a new or empty folder")
+
+
+def _staging_folder(out: Path) -> Path:
+    """A new folder beside `out` whose name is this merge's own (.merging-PID-XXXXXXXX); those of merges and
+    exports whose process is gone (killed) are removed first."""
+    import tempfile
+
+    from .gguf_export import remove_leftovers
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out.parent)
+        return Path(tempfile.mkdtemp(prefix=f".merging-{os.getpid()}-", dir=out.parent))
+    except OSError as err:
+        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None

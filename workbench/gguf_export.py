@@ -76,14 +76,15 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
         check_architecture(run.path, _run_model_config(run))
         check_writable(out)
         with new_folders_removed_on_failure(out.parent), writing(out), merged_run(run, out.parent) as folder:
-            return write_gguf(folder, out, quant, name=run.name)
+            return write_gguf(folder, out, quant, name=run.name, source=str(run.path))
     folder, name = local_model(source)
     out = Path(out) if out else Path("gguf") / f"{name}-{quant}.gguf"
     check_out(out, None)
     check_architecture(source, _config(folder))
     check_writable(out)
     with new_folders_removed_on_failure(out.parent), writing(out):
-        return write_gguf(folder, out, quant, name=name)
+        return write_gguf(folder, out, quant, name=name,
+                          source=str(source) if str(source).startswith("builtin:") else str(folder.resolve()))
 
 
 # -- checks, before anything slow -------------------------------------------------------------
@@ -124,8 +125,10 @@ def check_replaceable(out: Path) -> None:
                              "since); export into another folder, or move it")
 
 
-# Written into every exported GGUF: the mark of a file that a later export may replace.
+# Written into every exported GGUF: the mark of a file that a later export may replace (its value: the name), and
+# what it was exported from (a run directory, a model folder, builtin:NAME), which a replacement names.
 EXPORT_KEY = "lora_workbench.export"
+SOURCE_KEY = "lora_workbench.source"
 
 
 def is_earlier_export(path: Path) -> bool:
@@ -244,7 +247,7 @@ def _run_model_config(run):
     if (run.path / "model").exists():
         return _config(run.path / "model")
     check_adapter(run.path, run.adapter_dir)
-    return _config(resolve_model_path(run.recipe.get("model", {})["path"]))
+    return _config(resolve_model_path(run.checked_recipe().model.path))
 
 
 @contextmanager
@@ -280,8 +283,9 @@ def _writer_pid(name: str) -> int | None:
 # -- writing the file -------------------------------------------------------------------------
 
 
-def write_gguf(folder: Path, out: Path, quant: str, name: str) -> Path:
-    """Write the model folder as `out`, through a temporary name, and the Modelfile beside it."""
+def write_gguf(folder: Path, out: Path, quant: str, name: str, source: str | None = None) -> Path:
+    """Write the model folder as `out`, through a temporary name, and the Modelfile beside it. Replacing an
+    earlier export, or a Modelfile written for another GGUF of the folder, is said in one line each."""
     from transformers import AutoTokenizer
 
     config = _config(folder)
@@ -290,6 +294,7 @@ def write_gguf(folder: Path, out: Path, quant: str, name: str) -> Path:
     arch = ARCHITECTURES[architecture_of(config)]
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
     add_model_metadata(writer, config, name, file_type)
+    writer.add_string(SOURCE_KEY, source if source is not None else name)
     add_tokenizer(writer, folder, tokenizer, config.vocab_size)
     for gguf_name, data in gguf_tensors(folder, config, arch):
         stored = _stored_type(gguf_name, data, tensor_type)
@@ -310,12 +315,44 @@ def write_gguf(folder: Path, out: Path, quant: str, name: str) -> Path:
             writer.close()
             staged_modelfile.write_text(modelfile, encoding="utf-8")
             check_replaceable(out)  # again: a file may have been put there while the model was merged
+            notices = replacement_notices(out)
             os.replace(staging, out)  # a crash never leaves a half-written .gguf under the final name
             os.replace(staged_modelfile, out.with_name("Modelfile"))
     finally:
         staging.unlink(missing_ok=True)
         staged_modelfile.unlink(missing_ok=True)
+    for notice in notices:
+        warnings.warn(notice, stacklevel=3)
     return out
+
+
+def replacement_notices(out: Path) -> list[str]:
+    """What putting the export at `out` replaces besides nothing: an earlier export at that path (named by what it
+    was exported from), and the folder's Modelfile when it was written for another GGUF (which stays)."""
+    notices = []
+    if out.exists():
+        source, quant = export_record(out)
+        notices.append(f"replaced {out}, an earlier export of {source} ({quant})")
+    modelfile = out.with_name("Modelfile")
+    if modelfile.exists():
+        body = modelfile.read_text(encoding="utf-8").partition("\n")[2]
+        earlier = body.partition("\n")[0].removeprefix("FROM ./")
+        if earlier != out.name:
+            notices.append(f"{modelfile} now points to {out.name}; it pointed to {earlier}, which stays (set FROM "
+                           "back to it to create an Ollama model from that file)")
+    return notices
+
+
+def export_record(path: Path) -> tuple[str, str]:
+    """(what an earlier export was exported from, its quant), as its metadata records them."""
+    try:
+        fields = gguf.GGUFReader(path).fields
+        source = fields[SOURCE_KEY if SOURCE_KEY in fields else EXPORT_KEY].contents()
+        file_type = fields["general.file_type"].contents() if "general.file_type" in fields else None
+    except Exception:  # checked to be an export just before; a reader that fails now names it as unknown
+        return "an unknown source", "unknown quant"
+    quant = next((name for name, (_, kind) in QUANTS.items() if kind == file_type), f"file type {file_type}")
+    return str(source), quant
 
 
 def add_model_metadata(writer, config, name: str, file_type) -> None:

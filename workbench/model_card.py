@@ -381,9 +381,19 @@ def _hub_options(model: dict) -> str:
     options = ""
     if model.get("revision"):
         options += f", revision={_literal(model['revision'])}"
-    if model.get("trust_remote_code"):
+    if _says_yes(model.get("trust_remote_code")):
         options += ", trust_remote_code=True"
     return options
+
+
+def _says_yes(value) -> bool:
+    """A recipe flag as the schema reads it (the text "no" is False; bool("no") would be True)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return False
 
 
 def _folder_dtype(folder: Path) -> str | None:

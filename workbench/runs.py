@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import socket
 import tempfile
@@ -25,7 +26,27 @@ CHECKPOINT_PREFIX = "step-"
 # replacement). An --overwrite removes these and nothing else: notes, `workbench merge` and `export`
 # folders and any other file of the user's stay.
 RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns")
-LEFTOVERS = (".tmp-", ".old-", ".replaced-", ".run.json.", ".workbench-write-test-")
+# The exact names of those writes in progress, so that a file of the user's that merely looks alike (.tmp-notes)
+# is never taken for one: a staged or replaced adapter or model (train.save_adapter, replace_folder), an
+# --overwrite's aside folder (.replaced-PID-XXXXXXXX, tempfile's 8 characters), a record or metrics file being
+# written, the output check's probe (.workbench-write-test-XXXXXXXX).
+LEFTOVERS = re.compile(r"\.(tmp|old)-(adapter|model)|\.replaced-\d+-[a-z0-9_]{8}|\.run\.json\.tmp|metrics\.tmp"
+                       r"|\.workbench-write-test-[a-z0-9_]{8}")
+
+
+def is_leftover(name: str) -> bool:
+    """Whether `name` is one of a run's writes in progress (LEFTOVERS), which an --overwrite removes."""
+    return LEFTOVERS.fullmatch(name) is not None
+
+
+def is_run_record(data) -> bool:
+    """Whether a run.json's content is a record this workbench wrote: a summary with its status and the
+    environment (every run writes both as it starts), or the bare record an --overwrite puts in place first."""
+    if not isinstance(data, dict) or not isinstance(data.get("summary"), dict):
+        return False
+    if data == {"summary": {"status": "running"}}:  # RunDir.clear's record of the new run, before it starts
+        return True
+    return isinstance(data["summary"].get("status"), str) and isinstance(data.get("env"), dict)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -88,6 +109,8 @@ class RunDir:
             raise WorkbenchError(f"{self.path}: cannot create the run directory ({err.strerror or err})") from None
         self._lock = RunLock(self.path)
         self._lock.acquire()
+        if exists and (overwrite or self.run_json.exists()):
+            self.check_record()
         if resume:
             status = self.read_json().get("summary", {}).get("status")
             if status == "completed":
@@ -98,6 +121,23 @@ class RunDir:
                                      "its first save); --overwrite starts it again")
             for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):  # a write a crash cut short
                 shutil.rmtree(stale, ignore_errors=True)
+
+    def check_record(self) -> None:
+        """Refuse a folder whose run.json another tool wrote: its files are not a run's to continue or replace."""
+        try:
+            data = json.loads(self.run_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            self.release()
+            if not isinstance(err, FileNotFoundError):
+                raise WorkbenchError(f"{self.run_json}: unreadable ({err})") from None
+            raise WorkbenchError(f"{self.run_json}: not a workbench run record (missing); only a run the workbench "
+                                 "wrote is continued or replaced: move the folder's files or choose another "
+                                 "output.dir") from None
+        if not is_run_record(data):
+            self.release()
+            raise WorkbenchError(f"{self.run_json}: not a workbench run record (no summary with a status and env); "
+                                 "only a run the workbench wrote is continued or replaced: move the folder's files "
+                                 "or choose another output.dir")
 
     def clear(self) -> list[str]:
         """Make the (claimed) folder ready for a new run: remove what the earlier run wrote (RUN_ENTRIES, the
@@ -158,7 +198,7 @@ class RunDir:
         ours, others = [], []
         for child in sorted(self.path.iterdir()):
             name = child.name
-            is_ours = name in RUN_ENTRIES or name in (self.run_json.name, "metrics.tmp") or name.startswith(LEFTOVERS)
+            is_ours = name in RUN_ENTRIES or name == self.run_json.name or is_leftover(name)
             (ours if is_ours else others).append(child)
         return ours, others
 
@@ -312,6 +352,15 @@ class Run:
 
     def _repr_html_(self) -> str:
         return summary_html(self.name, self.summary)
+
+    def checked_recipe(self):
+        """The run's recipe.yaml read through the schema (`Recipe.from_dict`): what every loader of the run's model
+        reads (in the raw mapping, the text "no" for trust_remote_code is a true value to bool())."""
+        from .recipe import Recipe
+
+        if not self.recipe:
+            raise WorkbenchError(f"{self.path}: the run has no readable recipe.yaml (it names the model to load)")
+        return Recipe.from_dict(self.recipe, source=str(self.path / "recipe.yaml"))
 
 
 @dataclass
