@@ -634,7 +634,8 @@ def test_an_unknown_placeholder_is_one_clear_error(h):
 def test_replacing_a_run_needs_the_box_and_a_second_launch(h, root):
     run = root / "runs/keep"
     run.mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"summary": {"status": "completed", "steps": 2}}))
+    (run / "run.json").write_text(json.dumps({"summary": {"status": "completed", "steps": 2},
+                                              "env": {"device": "cpu"}}))  # a record the workbench wrote
     text = tiny_text("keep", "training.max_steps=1")
     name, status = h.launch(text, 1)
     assert name is None and "already holds a run (completed, 2 steps)" in status
@@ -923,3 +924,106 @@ def test_save_says_what_is_wrong_with_the_path(h, root):
     status = h.save_recipe("recipes/link/recipe.yaml", tiny_text("x"))
     assert "Save as: " in status and "symbolic link" in status
     assert not list(root.glob("runs/x/*")) and not (root / "notes").exists()
+
+
+# -- found by a fourth review ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["no", "false", "off", "0", "n"])
+def test_chat_never_runs_model_code_a_run_recipe_refuses_in_words(h, root, evil_model, spelling):
+    """The gate reads "no" as False through the schema; the loader must read the same recipe the same way."""
+    shutil.copytree(evil_model, root / "models/evil")
+    run = root / "runs/x"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    for path in (root / "models/evil", "models/evil"):
+        (run / "recipe.yaml").write_text(f"name: x\nmodel:\n  path: {path}\n  trust_remote_code: '{spelling}'\n")
+        base, tuned, status = h.chat("x", "hi", 4)
+        assert "wb-error" in status and not (evil_model / "RAN").exists(), path  # the copy marks there too
+
+
+def test_estimate_and_chat_read_the_files_the_gate_checked_in_the_workspace(h, root, tmp_path_factory, monkeypatch):
+    """The gate checks a relative data.train or model.path inside the workspace; the server, started elsewhere,
+    must read that same file (not one of the same name beside the folder it runs in)."""
+    elsewhere = tmp_path_factory.mktemp("server-cwd")
+    (elsewhere / "data").mkdir()
+    (elsewhere / "data/secret.jsonl").write_text('{"text": "' + "s" * 4000 + '"}\n')
+    monkeypatch.chdir(elsewhere)
+    seen = []
+
+    def spy(recipe, **kwargs):
+        seen.append(recipe)
+        return {"strategies": [], "recommended": None}
+
+    _, status, _ = h.estimate(tiny_text("x", "data.train=data/secret.jsonl"), 1, 1, "cpu", None, None, estimator=spy)
+    assert not seen and "data.train" in status and "outside the workspace" in status and "wb-error" in status
+    (root / "data").mkdir()
+    shutil.copy(ROOT / "recipes/data/tiny_chat.jsonl", root / "data/secret.jsonl")
+    h.estimate(tiny_text("x", "data.train=data/secret.jsonl"), 1, 1, "cpu", None, None, estimator=spy)
+    assert seen[-1].data.train == str(root / "data/secret.jsonl")
+    # Chat loads the model its run's recipe names, as the gate checked it
+    shutil.copytree(ROOT / "recipes", root / "models/m", dirs_exist_ok=True)  # a folder: its name is what counts
+    run = root / "runs/x"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "recipe.yaml").write_text(tiny_text("x", "model.path=models/m"))
+    asked = []
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("workbench.export"), "generate", lambda *a, **k: asked.append(k.get("recipe")) or "ok")
+    assert "answered" in h.chat("x", "hi", 4)[-1]
+    assert [r.model.path for r in asked] == [str(root / "models/m")] * 2
+
+
+@pytest.mark.parametrize("error", [KeyError("peft_type"), RuntimeError("size mismatch for lora_A\nshape [8, 64]"),
+                                   AttributeError("'EvilConfig' object has no attribute 'x'")])
+def test_chat_shows_a_damaged_adapter_as_one_message(h, root, monkeypatch, error):
+    import importlib
+
+    run = root / "runs/x"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "recipe.yaml").write_text(tiny_text("x"))
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(importlib.import_module("workbench.export"), "generate", broken)
+    base, tuned, status = h.chat("x", "hi", 4)
+    assert (base, tuned) == ("", "") and "wb-error" in status and type(error).__name__ in status
+    assert "<br>" not in status
+
+
+@pytest.mark.parametrize("linked", [".workbench-ui", ".workbench-ui/exports", ".workbench-ui/previews"])
+def test_the_uis_own_folder_linked_elsewhere_is_refused(h, root, tmp_path_factory, linked):
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (root / linked).parent.mkdir(parents=True, exist_ok=True)
+    (root / linked).symlink_to(elsewhere)
+    fake_run(root, "a", status="completed", steps=1)
+    path, status = h.export_csv(["a"])
+    if "previews" not in linked:
+        assert path is None and "wb-error" in status and "symbolic link" in status, status
+    status = h.preview_data(tiny_text("x"), 1)[0]
+    if "exports" not in linked:
+        assert "wb-error" in status and "symbolic link" in status, status
+    if linked == ".workbench-ui":
+        name, status = h.launch(tiny_text("x"), 1)
+        assert name is None and "wb-error" in status and "outside the workspace" in status, status
+    assert not list(elsewhere.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", ["folder", "long", "fifo", "link"])
+def test_save_refuses_what_is_no_regular_file_in_one_message(h, root, kind):
+    import os
+
+    target = {"folder": "recipes/dir.yaml", "long": f"recipes/{'n' * 300}.yaml", "fifo": "recipes/pipe.yaml",
+              "link": "recipes/link.yaml"}[kind]
+    if kind == "folder":
+        (root / target).mkdir()
+    elif kind == "fifo":
+        os.mkfifo(root / target)
+    elif kind == "link":
+        (root / target).symlink_to(root / "recipes/tiny.yaml")
+    status = h.save_recipe(target, tiny_text("x"))  # a FIFO must not block: the test would hang
+    assert "wb-error" in status and "not saved" in status, status
+    assert "Errno" not in status and "<br>" not in status

@@ -107,8 +107,10 @@ def test_another_port_or_scheme_on_this_machine_is_another_origin():
     for origin in ("http://127.0.0.1:1", "https://127.0.0.1:7860", "http://127.0.0.1", "http://localhost:8080",
                    "http://127.0.0.1:7860.evil.example", "http://127.0.0.1:notaport", "ftp://127.0.0.1:7860"):
         assert client.get("/gradio_api/call/x", headers={"origin": origin}).status_code == 403, origin
-    for origin in ("http://127.0.0.1:7860", "http://localhost:7860", "http://[::1]:7860", "HTTP://LOCALHOST:7860"):
+    for origin in ("http://127.0.0.1:7860", "HTTP://127.0.0.1:7860"):
         assert client.get("/gradio_api/call/x", headers={"origin": origin}).status_code == 200, origin
+    assert client.get("/gradio_api/call/x", headers={"origin": "HTTP://LOCALHOST:7860",
+                                                      "host": "localhost:7860"}).status_code == 200
     with client.websocket_connect("ws://127.0.0.1:7860/ws", headers={"origin": "http://127.0.0.1:7860"}) as ws:
         assert ws.receive_text() == "ok"
     with pytest.raises(WebSocketDisconnect):
@@ -128,7 +130,7 @@ def test_a_reverse_proxys_origin_is_allowed_only_as_configured(monkeypatch):
         assert client.get("/gradio_api/call/x", headers={"origin": origin, "host": host}).status_code == 403, origin
 
 
-def login_through(guard, peer: str, password: str, forwarded: str | None = None) -> int:
+def login_through(guard, peer: str, password: str, forwarded: str | None = None, path: str = "/login") -> int:
     """The status a POST /login from `peer` gets through `guard` (an ASGI call, as uvicorn makes it)."""
     import asyncio
 
@@ -144,7 +146,7 @@ def login_through(guard, peer: str, password: str, forwarded: str | None = None)
     headers = [(b"host", b"127.0.0.1:7860"), (b"content-type", b"application/x-www-form-urlencoded")]
     if forwarded is not None:
         headers.append((b"x-forwarded-for", forwarded.encode()))
-    scope = {"type": "http", "method": "POST", "path": "/login", "scheme": "http", "client": (peer, 5000),
+    scope = {"type": "http", "method": "POST", "path": path, "scheme": "http", "client": (peer, 5000),
              "server": ("127.0.0.1", 7860), "headers": headers, "query_string": b"", "root_path": ""}
     asyncio.run(guard(scope, receive, send))
     return codes[0]
@@ -206,9 +208,74 @@ def test_the_served_ui_refuses_other_local_origins_with_the_session_cookie(serve
         assert client.post("/login", data={"username": "ann", "password": "secret"}).status_code == 200
         assert client.cookies  # the session
         assert client.get("/config", headers={"origin": served}).status_code == 200
-        assert client.get("/config", headers={"origin": f"http://localhost:{port}"}).status_code == 200
-        for origin in ("http://127.0.0.1:1", f"https://127.0.0.1:{port}"):
+        for origin in ("http://127.0.0.1:1", f"https://127.0.0.1:{port}", f"http://localhost:{port}",
+                       f"http://[::1]:{port}", f"http://127.0.0.2:{port}"):
             assert client.get("/config", headers={"origin": origin}).status_code == 403, origin
         # a forwarded scheme from a direct peer changes nothing either
         spoofed = {"origin": f"https://127.0.0.1:{port}", "x-forwarded-proto": "https"}
         assert client.get("/config", headers=spoofed).status_code == 403
+
+
+# -- found by a fourth review ----------------------------------------------------------------------------------
+
+
+def any_login(codes: list[int]):
+    """An ASGI app answering every POST as Gradio's login does (it serves /login and /login/): 400 for a wrong
+    password, 200 for the right one; the paths it was called with are kept in `codes`."""
+    async def inner(scope, receive, send):
+        body = (await receive())["body"]
+        code = 200 if body == b"password=right" else 400
+        codes.append(scope["path"])
+        await send({"type": "http.response.start", "status": code, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+    return inner
+
+
+@pytest.mark.parametrize("path", ["/login/", "//login", "/login//", "/app/login/", "/%6Cogin", "/login%2F",
+                                  "/LOGIN", "/%2Flogin"])
+def test_every_spelling_of_the_login_path_is_counted(path):
+    seen = []
+    guard = Guard(any_login(seen), {"127.0.0.1"})
+    for _ in range(MAX_FAILURES):
+        assert login_through(guard, "10.0.0.9", "wrong", path=path) == 400
+    assert login_through(guard, "10.0.0.9", "right", path=path) == 429
+    assert login_through(guard, "10.0.0.9", "right", path="/login") == 429
+
+
+def test_a_redirect_from_the_login_route_does_not_reset_the_count():
+    async def redirect(scope, receive, send):
+        await send({"type": "http.response.start", "status": 307, "headers": [(b"location", b"/login")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    guard = Guard(redirect, {"127.0.0.1"})
+    for _ in range(MAX_FAILURES):
+        assert login_through(guard, "10.0.0.9", "wrong") == 307
+    assert login_through(guard, "10.0.0.9", "wrong") == 429
+
+
+def test_another_loopback_name_on_the_same_port_is_another_origin():
+    """Any program can bind [::1]:PORT or 127.0.0.2:PORT and serve a page there: the Origin's host must be the
+    Host header's."""
+    client = app()  # reached as http://127.0.0.1:7860
+    for origin in ("http://[::1]:7860", "http://127.0.0.2:7860", "http://localhost:7860", "http://127.1:7860"):
+        assert client.get("/gradio_api/call/x", headers={"origin": origin}).status_code == 403, origin
+    for host, origin in {"[::1]:7860": "http://[::1]:7860", "[::1]:7860 ": "http://[0:0::1]:7860",
+                         "localhost:7860": "http://localhost:7860"}.items():
+        assert client.get("/gradio_api/call/x", headers={"origin": origin, "host": host.strip()}).status_code == 200
+    assert client.get("/gradio_api/call/x", headers={"origin": "http://localhost:7860",
+                                                      "host": "[::1]:7860"}).status_code == 403
+
+
+def test_a_trusted_proxy_must_be_an_address(monkeypatch):
+    from ui.guard import trusted_proxy
+    from workbench.errors import WorkbenchError
+
+    monkeypatch.setenv("WORKBENCH_UI_TRUSTED_PROXY", "localhost")
+    with pytest.raises(WorkbenchError, match="WORKBENCH_UI_TRUSTED_PROXY.*address"):
+        trusted_proxy()
+    with pytest.raises(WorkbenchError, match="address"):
+        Guard(app().app.app, {"127.0.0.1"}, proxy="proxy.lan")
+    monkeypatch.setenv("WORKBENCH_UI_TRUSTED_PROXY", " 0:0::1 ")
+    assert trusted_proxy() == "::1"
+    monkeypatch.delenv("WORKBENCH_UI_TRUSTED_PROXY")
+    assert trusted_proxy() is None

@@ -324,20 +324,22 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: str | tuple[str, str
     """Serve the UI. `auth` is "USER:PASS" or (user, password); binds 127.0.0.1 unless told otherwise.
     `allow_remote_code`: let recipes set model.trust_remote_code (code from a model repository runs here)."""
     auth = parse_auth(auth)
+    from .guard import trusted_proxy
+
+    proxy = trusted_proxy()  # a name there is refused now, not after the server is up
     workspace = Workspace(root)
     if host not in ("127.0.0.1", "localhost", "::1") and auth is None:
         print(f"warning: serving on {host} without --auth: anyone who reaches this address can train, delete "
               "runs and read the workspace; set WORKBENCH_UI_AUTH=USER:PASS", flush=True)
-    exports = workspace.ui_dir / "exports"  # the only workspace folder Gradio may serve files from (CSV exports)
-    exports.mkdir(parents=True, exist_ok=True)
+    exports = workspace.ui_folder("exports")  # the only workspace folder Gradio may serve files from (CSV exports)
     demo = build_app(workspace.root, allow_remote_code)
     demo.queue(default_concurrency_limit=4)
     from starlette.middleware import Middleware
 
-    from .guard import Guard, allowed_hosts, allowed_origins, no_forwarded_headers, trusted_proxy
+    from .guard import Guard, allowed_hosts, allowed_origins, no_forwarded_headers
 
     # Host/Origin checks and the login back-off; the guard, not uvicorn, decides whose X-Forwarded-For to believe
-    guard = Middleware(Guard, hosts=allowed_hosts(host), origins=allowed_origins(), proxy=trusted_proxy())
+    guard = Middleware(Guard, hosts=allowed_hosts(host), origins=allowed_origins(), proxy=proxy)
     with no_forwarded_headers():
         demo.launch(server_name=host, server_port=port, auth=auth, share=False, theme=style.THEME, css=style.CSS,
                     allowed_paths=[str(exports)], prevent_thread_lock=True, quiet=True, ssr_mode=False,

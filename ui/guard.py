@@ -2,14 +2,16 @@
 
 - The Host header must name this server. A page on another site can make a browser send requests to
   127.0.0.1 through a domain it controls (DNS rebinding); such requests carry that domain as Host.
-- An Origin header, when a browser sends one, must be this server's own origin (no cross-site requests): the
-  scheme it was reached by, the port the browser reached (the Host header's) and one of its names; or an origin
-  listed in full in WORKBENCH_UI_ALLOWED_HOSTS (a reverse proxy's public address). Another port or scheme on
-  the same machine is another site: any local program can serve a page there.
+- An Origin header, when a browser sends one, must be the origin the browser reached (no cross-site requests):
+  the scheme it was reached by and the Host header's name and port; or an origin listed in full in
+  WORKBENCH_UI_ALLOWED_HOSTS (a reverse proxy's public address). Another port, scheme or name on the same
+  machine is another site, loopback names included: any local program can bind [::1]:PORT or 127.0.0.2:PORT
+  and serve a page there.
 - Wrong logins back off: after MAX_FAILURES in a row from one client, each further try waits longer
   (429 with Retry-After), doubling up to MAX_LOCKOUT_S. The client is the connection's peer. X-Forwarded-For
   names it only when that peer is the reverse proxy named in WORKBENCH_UI_TRUSTED_PROXY: from anyone else the
-  header holds whatever a guesser writes, a new address per guess.
+  header holds whatever a guesser writes, a new address per guess. Every spelling of the login path that
+  reaches Gradio's login route (/login/, //login, a root path before it, percent-encoded letters) is counted.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import contextlib
 import ipaddress
 import os
 import socket
+import re
 import time
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+
+from workbench.errors import WorkbenchError
 
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
 WILDCARDS = {"0.0.0.0", "::", ""}
@@ -55,7 +60,18 @@ def allowed_origins() -> set[tuple[str, str, int]]:
 
 
 def trusted_proxy() -> str | None:
-    return os.environ.get(TRUSTED_PROXY_ENV, "").strip() or None
+    """The reverse proxy's address from WORKBENCH_UI_TRUSTED_PROXY; a name (not an address) is refused at start:
+    a connection's peer is an address, which a name would never equal."""
+    value = os.environ.get(TRUSTED_PROXY_ENV, "").strip()
+    return _proxy_address(value) if value else None
+
+
+def _proxy_address(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value.strip()))
+    except ValueError:
+        raise WorkbenchError(f"{TRUSTED_PROXY_ENV}={value!r}: must be the IP address the reverse proxy connects "
+                             "from (e.g. 127.0.0.1 or ::1), not a name") from None
 
 
 @contextlib.contextmanager
@@ -92,6 +108,18 @@ def _origin(url: str) -> tuple[str, str, int] | None:
     return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
 
 
+def is_login(path: str) -> bool:
+    """Whether a request path reaches the login route, however it is spelled: percent-encoding undone, duplicate
+    and trailing slashes dropped, any root path before it."""
+    for _ in range(5):  # %256C -> %6C -> l
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    parts = [p for p in re.split(r"/+", path.lower()) if p]
+    return bool(parts) and parts[-1] == "login"
+
+
 def _address(text: str) -> str:
     try:  # one spelling per address (::1 and 0:0::1 are the same peer)
         return str(ipaddress.ip_address(text.strip()))
@@ -105,7 +133,7 @@ class Guard:
         self.app = app
         self.hosts = {h.lower() for h in hosts}
         self.origins = set(origins)
-        self.proxy = _address(proxy) if proxy else None
+        self.proxy = _proxy_address(proxy) if proxy else None
         self.failures: dict[str, tuple[int, float]] = {}  # client -> (failures in a row, locked until)
 
     def _allowed(self, host: str) -> bool:
@@ -123,9 +151,10 @@ class Guard:
         if seen[1] in {name for _, name, _ in self.origins}:  # a proxy's name: only as listed (https, say)
             return False
         scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
-        # the port the browser reached: the Host header's (a port mapping may change it before the socket)
+        # the origin the browser reached: the Host header's name and port (a port mapping may change the port
+        # before the socket); another loopback name is another site, which any local program may serve
         own = _origin(f"{scheme}://{host}")
-        return own is not None and (seen[0], seen[2]) == (own[0], own[2]) and self._allowed(seen[1])
+        return own is not None and (seen[0], _address(seen[1]), seen[2]) == (own[0], _address(own[1]), own[2])
 
     def _client(self, scope, headers: dict[str, str]) -> str:
         peer = _address((scope.get("client") or ("?",))[0])
@@ -145,7 +174,7 @@ class Guard:
         origin = headers.get("origin")
         if origin is not None and not self._same_origin(origin, scope, host):
             return await _refuse(scope, send, 403, "origin not allowed")
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").endswith("/login"):
+        if scope["type"] == "http" and scope.get("method") == "POST" and is_login(scope.get("path", "")):
             return await self._login(scope, receive, send, self._client(scope, headers))
         return await self.app(scope, receive, send)
 
@@ -167,7 +196,7 @@ class Guard:
             await send(message)
 
         await self.app(scope, receive, watch)
-        if status.get("code", 500) < 400:
+        if 200 <= status.get("code", 500) < 300:  # a login that succeeded (a redirect is no success)
             self.failures.pop(client, None)
 
 

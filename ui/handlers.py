@@ -7,8 +7,11 @@ wires them to Gradio components. Errors a user can act on come back as a status 
 from __future__ import annotations
 
 import html
+import importlib
 import json
 import math
+import os
+import stat
 import subprocess
 import time
 import uuid
@@ -22,7 +25,7 @@ from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
 from .jobs import objective_of, registry_for, workbench_command
-from .workspace import UI_DIR, Workspace
+from .workspace import PathError, Workspace
 
 GIB = 2**30
 SECTIONS = ["general", *[n for n in form.Recipe.model_fields if n != "name"]]
@@ -140,14 +143,17 @@ class Handlers:
         try:
             path = self.ws.saved_recipe_file(relative or "")
             self.recipe(text)
+            text = text if text.endswith("\n") else text + "\n"
+            where = self.ws.relative(path)
+            existing = _read_regular(path, where)  # None: no file there yet
+            if existing is not None and existing != text and not self._confirmed(where):
+                return status_html("warn", f"{where} exists and differs: press Save again to overwrite it")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_regular(path, text, where)
         except WorkbenchError as err:
-            return status_html("error", f"not saved: {err}")
-        text = text if text.endswith("\n") else text + "\n"
-        where = self.ws.relative(path)
-        if path.exists() and path.read_text(errors="replace") != text and not self._confirmed(where):
-            return status_html("warn", f"{where} exists and differs: press Save again to overwrite it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+            return status_html("error", f"not saved: {_one_line(err)}")
+        except OSError as err:  # a name too long, a file in the way of a folder, a full disk
+            return status_html("error", f"not saved: Save as: {relative}: {_os_reason(err)}")
         return status_html("ok", f"saved {where}")
 
     PREVIEW_MAX_ROWS = 20  # a field of the page: a huge number would render the whole file into the browser
@@ -173,10 +179,9 @@ class Handlers:
 
     def _run_preview(self, recipe_yaml: str, rows: int) -> str:
         """`workbench data RECIPE --json` on a copy of the recipe under the UI's folder; its output."""
-        folder = self.ws.root / UI_DIR / "previews"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.ws.ui_folder("previews")
         recipe_file = folder / f"{uuid.uuid4().hex}.yaml"
-        recipe_file.write_text(recipe_yaml)
+        _write_new(recipe_file, recipe_yaml)
         argv, env = workbench_command(["data", self.ws.relative(recipe_file), "--rows", str(rows), "--json"])
         try:
             done = subprocess.run(argv, cwd=self.ws.root, env=env, stdin=subprocess.DEVNULL, capture_output=True,
@@ -198,7 +203,7 @@ class Handlers:
     def device_choices() -> list[str]:
         """THIS_MACHINE (the device a run here would use), cpu, then the estimator's presets."""
         try:
-            from workbench.devices import PRESETS
+            from workbench.hardware.catalogue import PRESETS
         except ImportError:
             return [THIS_MACHINE, *FALLBACK_DEVICES]
         return [THIS_MACHINE, "cpu", *PRESETS]
@@ -207,7 +212,7 @@ class Handlers:
                  device_memory_gib: float | None, price: float | None, estimator=None):
         """(figure, summary html, strategies table) from workbench.memory.estimate."""
         try:
-            recipe = self.recipe(text)
+            recipe = self.ws.local_recipe(self.recipe(text))  # read here: the files the checks looked at
             if estimator is None:
                 from workbench.memory import estimate as estimator
             memory = int(device_memory_gib * GIB) if device_memory_gib else None
@@ -352,10 +357,12 @@ class Handlers:
             return None, status_html("error", str(err))
         if not rows:
             return None, status_html("warn", "choose runs to export")
-        folder = self.ws.ui_dir / "exports"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"compare-{time.strftime('%Y%m%d-%H%M%S')}.csv"
-        pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
+        try:
+            folder = self.ws.ui_folder("exports")
+            path = folder / f"compare-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.csv"
+            _write_new(path, pd.DataFrame(rows, columns=COLUMNS).to_csv(index=False))
+        except (WorkbenchError, OSError) as err:
+            return None, status_html("error", f"not exported: {_one_line(err)}")
         return str(path), status_html("ok", f"exported {len(rows)} run(s) to {self.ws.relative(path)}")
 
     # -- Chat -----------------------------------------------------------------------------------
@@ -364,21 +371,75 @@ class Handlers:
         """(base answer, tuned answer, status html) for the same prompt."""
         if not name or not (prompt or "").strip():
             return "", "", status_html("warn", "choose a run and write a prompt")
-        from workbench.export import generate
+        from workbench.recipe import Recipe
+
+        export = importlib.import_module("workbench.export")  # the module (workbench.export is also a function)
 
         try:
             run_dir = self.ws.run_dir(name)
-            from workbench.recipe import Recipe
-
-            self.recipe(Recipe.load(run_dir / "recipe.yaml"))  # it names the model to load
+            # it names the model to load: checked, then loaded as checked (schema-read, paths in the workspace)
+            recipe = self.ws.local_recipe(self.recipe(Recipe.load(run_dir / "recipe.yaml")))
             tokens = int(max_new_tokens or 64)
-            base = generate(run_dir, prompt, base=True, max_new_tokens=tokens)
-            tuned = generate(run_dir, prompt, base=False, max_new_tokens=tokens)
+            base = export.generate(run_dir, prompt, base=True, max_new_tokens=tokens, recipe=recipe)
+            tuned = export.generate(run_dir, prompt, base=False, max_new_tokens=tokens, recipe=recipe)
         except (WorkbenchError, OSError, ValueError) as err:  # e.g. a run without an adapter, a missing model
-            return "", "", status_html("error", str(err))
+            return "", "", status_html("error", _one_line(err))
+        except Exception as err:  # a model or adapter the libraries cannot load: a message, not a crash
+            return "", "", status_html("error", f"{name}: the model could not be loaded or run "
+                                                f"({type(err).__name__}: {_one_line(err)})")
         if not tuned.strip():
             return base, tuned, status_html("warn", f"{name}'s tuned model answered with nothing (it stopped at once)")
         return base, tuned, status_html("ok", f"answered with {name}'s base model and its adapter")
+
+
+def _os_reason(err: OSError) -> str:
+    return "the name is too long" if err.errno == 36 else (err.strerror or str(err)).lower()
+
+
+def _not_regular(mode: int, where: str) -> PathError:
+    kind = "a folder" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else \
+        "a pipe" if stat.S_ISFIFO(mode) else "not a regular file"
+    return PathError(f"Save as: {where} is {kind}, not a recipe file; refused")
+
+
+def _read_regular(path: Path, where: str) -> str | None:
+    """The text of a regular file at `path` (None when nothing is there); a folder, link, pipe or device is refused
+    before it is opened (a pipe would block the server)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(mode, where)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):  # swapped in between
+            raise _not_regular(os.fstat(handle.fileno()).st_mode, where)
+        return handle.read().decode("utf-8", errors="replace")
+
+
+def _write_regular(path: Path, text: str, where: str) -> None:
+    """Write `text` to a new or regular file, never through a link, into a pipe or onto a device."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(mode, where)
+        handle.truncate(0)
+        handle.write(text.encode("utf-8"))
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write a file the UI names itself, never through a link or into a file that is already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def _one_line(err: BaseException, most: int = 400) -> str:
+    """An exception's message, first line only and cut short (a library's may list hundreds of names)."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def _rows_to_show(value, most: int) -> int:

@@ -103,8 +103,7 @@ class JobRegistry:
             raise JobError("processes: must be at least 1")
         with self._lock:
             self._refuse_if_running(recipe.name)
-            folder = self._folder(recipe.name)
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = self.ws.ui_folder("jobs", self._folder(recipe.name).name)  # no link on the way is followed
             recipe_file = _own_file(folder, "recipe.yaml")
             recipe.save(recipe_file)
             rel = self.ws.relative(recipe_file)

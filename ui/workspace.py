@@ -57,6 +57,25 @@ class Workspace:
     def ui_dir(self) -> Path:
         return self.root / UI_DIR
 
+    def ui_folder(self, *parts: str) -> Path:
+        """A folder of the UI's own files, <root>/.workbench-ui/<parts>, created; PathError when it or a folder on
+        the way is a symbolic link or no folder (a workspace can ship one leading elsewhere): never followed."""
+        path = self.root
+        for part in (UI_DIR, *parts):
+            path = path / part
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                where = path.relative_to(self.root).as_posix()
+                raise PathError(f"{where} is a symbolic link or not a folder: the UI keeps its own files there and "
+                                "does not follow it; refused (remove it and try again)")
+            try:
+                path.mkdir(exist_ok=True)
+            except OSError as err:
+                raise PathError(f"{path.relative_to(self.root).as_posix()}: cannot create ({err.strerror or err})") \
+                    from None
+        if not path.resolve().is_relative_to(self.root):
+            raise PathError(f"{path.relative_to(self.root).as_posix()} is outside the workspace {self.root}; refused")
+        return path
+
     def recipe_choices(self) -> list[str]:
         """Recipes a user can load: recipes/*.yaml and the resolved recipe of every run."""
         found = []
@@ -113,6 +132,28 @@ class Workspace:
             raise PathError(f"model.path: {model} is the folder {here.resolve()}, outside the workspace {self.root}; "
                             "refused")
         return run_dir
+
+    LOCAL_FIELDS = ("model.path", "data.train", "data.eval", "distributed.deepspeed.config_file")
+
+    def local_recipe(self, recipe):
+        """A checked recipe with its relative files made absolute paths inside the workspace: what the server
+        loads itself (Estimate, Chat) would otherwise be looked up from the folder the server was started in, not
+        the one the checks looked at. A relative name that is no file here but one there is refused."""
+        changes = {}
+        for key in self.LOCAL_FIELDS:
+            section, *rest = key.split(".")
+            value = getattr(recipe, section)
+            for part in rest:
+                value = getattr(value, part)
+            if not value or value.startswith("builtin:"):
+                continue
+            inside = self.resolve(value, what=key)
+            if inside.exists() or value.startswith((".", "/", "~")):
+                changes[key.replace(".", "__")] = str(inside)
+            elif Path(value).expanduser().exists():  # a hub id has no file of that name anywhere
+                raise PathError(f"{key}: {value} is not in the workspace, but {Path(value).resolve()} outside the "
+                                f"workspace {self.root} has that name; refused")
+        return recipe.override(**changes) if changes else recipe
 
     def saved_recipe_file(self, relative: str) -> Path:
         """Where Save may write: a .yaml under recipes/ (never a run's own recipe or the UI's records)."""
