@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from .hardware.current import local_kind
 from .hub import check_hub_access, hub_offline, push_folder  # noqa: F401  (their home was here)
 from .model_card import write_model_card_or_warn
 from .quiet import leaves_the_process_as_found
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -29,7 +33,7 @@ def inference_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None,
-                       recipe=None):
+                       recipe: Recipe | None = None):
     """(model, tokenizer) in eval mode from a run directory (its tuned model, or its base with base=True)
     or from a model path (folder, builtin:NAME, hub id).
 
@@ -201,7 +205,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
 
 
 @leaves_the_process_as_found
-def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64, recipe=None) -> str:
+def generate(source: str | Path, prompt: str, base: bool = False, max_new_tokens: int = 64,
+             recipe: Recipe | None = None) -> str:
     """Answer a prompt with a run's tuned model (or its base), or with any model path (`recipe`: see
     `load_for_inference`)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
