@@ -20,7 +20,7 @@ from workbench.train import adamw_kernel, build_optimizer, train
 
 from conftest import ROOT
 
-LOOP = sys.modules["workbench.train"]  # the module (the package's `train` is the function)
+LOOP = sys.modules["workbench.training.session"]  # the loop's module (workbench/training/session.py)
 
 
 def tiny(*overrides: str) -> Recipe:

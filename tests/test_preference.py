@@ -304,7 +304,7 @@ def test_the_margin_grows_on_the_shipped_recipe(objective, tmp_path):
 def test_sharing_the_prompt_trains_as_whole_sequences_do(objective, tmp_path, monkeypatch):
     """The loop's default on a CPU (each pair holds its prompt once) against the pairs as two whole sequences:
     the same losses, rewards and held-out figures, step by step."""
-    training = importlib.import_module("workbench.train")  # the module (workbench.train is also the function)
+    training = importlib.import_module("workbench.training.checks")  # where the run decides the pair layout
     steps = ["data.packing=false", "training.max_steps=4", "output.log_every=1", "output.eval_every=4",
              "output.save_every=null"]
     shared = preference_run(tmp_path / "shared", objective, *steps)

@@ -1,0 +1,471 @@
+"""One training run: one Accelerate loop, read top to bottom.
+
+    setup → setup_data → setup_model → take_over → prepare → before_training →
+    run (each epoch: each step: accumulate, clip, step; log_row, maybe_evaluate, maybe_checkpoint) →
+    finish (final eval, adapter, summary in run.json)
+
+Nothing in the run directory is touched until the recipe, the data and the model have been checked (`take_over`):
+a bad row or a refused resume leaves an earlier run exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..attention import dense_mask_warning, flex_problem_for_run
+from ..attention import with_implementation as attention_for
+from ..data import STAND_IN, Collator, StepBatches, TrainRows, prepare_data
+from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
+                           configure_threads, host_transfer, local_parameter_elements, patience,
+                           release_accelerator_state, verify_launch)
+from ..errors import Interrupted, NonFiniteError, WorkbenchError
+from ..fastpath import apply_fast_paths, compile_layers
+from ..hardware.catalogue import peak_flops
+from ..hardware.current import local_kind, node_count, world_size_from_env
+from ..launcher import check_launcher_agrees
+from ..lm_loss import full_logits_loss_sum, lm_loss_sum
+from ..memory import prediction_for_run
+from ..metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
+from .. import checkpoints, objectives
+from ..compat import check_runtime
+from ..model_card import refresh_model_cards
+from ..models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
+from ..precision import compute_dtype_of, resolve_recipe
+from ..preflight import check_disk_space, preflight
+from ..recipe import Recipe
+from ..resume import check_resume
+from ..runs import RunDir, TrainResult, environment, metrics_frame
+from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
+from ..strategies import resolve as resolve_layout
+from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
+from .checks import check_same_data, pairs_share_prompts
+from .parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat, _nonfinite_message,
+                    _on_device, _only_trainable_weights, _progress, _reports_after, _rounded, _sample_generations,
+                    _window_totals, _windows, _write_eval, build_optimizer, build_scheduler, ensure_trainable,
+                    evaluate, save_adapter, set_peak_lr)
+from .summary import PEAK_MEMORY_MB, RunSummary
+
+
+class TrainingSession:
+    """One run of a recipe in this process (one of N when launched with `accelerate launch`); its state lives here."""
+
+    def __init__(self, recipe: Recipe, *, resume: bool, overwrite: bool, progress_bar: bool | str, started: float):
+        self.recipe, self.resume, self.overwrite = recipe, resume, overwrite
+        self.progress_bar, self.started = progress_bar, started
+        self.run_dir = RunDir(recipe.run_dir)
+        self.summary = RunSummary()
+        self.taken = False  # whether the run directory is this run's (a failure is recorded there only then)
+
+    # -- setup: seconds, before any weights load ----------------------------------------------------------------
+
+    def setup(self) -> None:
+        """The concrete recipe (precision, attention, layout), the preflight checks and the accelerator."""
+        recipe, run, s = self.recipe, self.run_dir, self.summary
+        # before the precision probe times matmuls
+        s.threads, s.threads_reason = configure_threads(recipe.training.threads)
+        self.changes, adjusted = {}, []
+        if self.resume and run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
+            recipe, self.changes, adjusted = check_resume(recipe, run, world_size_from_env())
+        # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
+        recipe, precision = resolve_recipe(recipe, local_kind())
+        # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
+        self.tokenizer, self.model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once
+        self.requested_attn = recipe.model.attn
+        recipe, self.attention = attention_for(recipe, local_kind(),  # the kernel, and how packed rows stay apart
+                                               flex_problem=flex_problem_for_run(recipe, self.model_config,
+                                                                                 local_kind()))
+        warnings = [*precision.warnings, *filter(None, [dense_mask_warning(self.attention, local_kind())]),
+                    *preflight(recipe, self.tokenizer, self.model_config, self.resume)]
+        # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
+        self.requested = recipe.distributed.strategy
+        recipe, self.layout, why = resolve_layout(recipe, world_size_from_env(), node_count())
+        check_launcher_agrees(self.layout.strategy)
+        self.accelerator = accelerator = build_accelerator(recipe, str(run.path), self.layout)
+        verify_launch(accelerator, self.layout)
+        self.recipe, self.cfg, self.main = recipe, recipe.training, accelerator.is_main_process
+        s.strategy, s.strategy_reason, s.layout = self.layout.strategy, why, self.layout.to_json()
+        s.precision, s.attention, s.warnings = precision.to_json(), self.attention.to_json(), warnings
+        if accelerator.num_processes > 1:
+            accelerator.print(f"layout: {self.layout.name} ({why}), {accelerator.num_processes} processes, "
+                              f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
+        for line in adjusted:
+            accelerator.print(line)
+        for warning in warnings:
+            accelerator.print(f"warning: {warning}")
+        self.state, self.heartbeat = Progress(), Heartbeat(accelerator)
+
+    def execute(self) -> TrainResult:
+        """Claim the run directory and train; a failure is recorded in run.json once the directory is this run's."""
+        run, accelerator = self.run_dir, self.accelerator
+        try:
+            if self.main:
+                run.claim(resume=self.resume, overwrite=self.overwrite)  # the lock; refusals; nothing deleted yet
+            accelerator.wait_for_everyone()
+            with StopRequest() as self.stop:
+                self.setup_data()
+                self.setup_model()
+                self.take_over()  # everything checked: from here on the run directory is this run's
+                self.prepare()
+                self.before_training()
+                self.run()
+                self.finish()
+        except BaseException as err:
+            named = self.record_failure(err)
+            if named is not None:
+                raise named from None
+            raise
+        finally:
+            # trackers end with the run; the process group stays open for the process's next run (the CLI closes
+            # it on exit), as reopening one over the same launch store can hang
+            finish_trackers(accelerator)
+            collective_timeout(self.recipe.distributed.startup_timeout_s)  # the limit the group was opened with
+            run.release()
+            release_accelerator_state()
+        # rank 0's summary is run.json's, with what was recorded at the start
+        summary = run.read_json()["summary"] if self.main else self.summary.at_end()
+        return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
+
+    def record_failure(self, err: BaseException) -> BaseException | None:
+        """The failure in run.json; returns the error a stalled collective is better named as (or None)."""
+        latest = self.run_dir.latest_checkpoint()
+        distributed = self.recipe.distributed
+        named = collective_failure(err, self.heartbeat, self.state.step,
+                                   (distributed.startup_timeout_s, distributed.timeout_s),
+                                   latest[1].name if latest else None)
+        if named is not None:
+            err = named
+        if self.main and self.taken:
+            self.summary.status = "interrupted" if isinstance(err, (KeyboardInterrupt, Interrupted)) else "failed"
+            self.summary.error = f"{type(err).__name__}: {err}"
+            self.run_dir.update_json(summary=self.summary.at_failure())
+        return named
+
+    def setup_data(self) -> None:
+        recipe, cfg, accelerator = self.recipe, self.cfg, self.accelerator
+        torch.manual_seed(cfg.seed)
+        with accelerator.main_process_first():
+            self.data = prepare_data(recipe.data, self.tokenizer, seed=cfg.seed,
+                                     share_prompts=pairs_share_prompts(recipe, self.attention, self.model_config,
+                                                                       self.run_dir, self.resume))
+        if self.data.stats.get("train_empty") and self.main:
+            accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s) lost their whole answer "
+                              f"to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
+        collate = Collator(self.tokenizer.pad_token_id)
+        # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
+        # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
+        # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
+        # iterator) would drift from an uninterrupted one.
+        self.batches_of = StepBatches(len(self.data.train), cfg.micro_batch_size, accelerator.num_processes,
+                                      accelerator.process_index, seed=cfg.seed)
+        # page-locked batches copy to a GPU asynchronously
+        pinned = host_transfer(accelerator.device.type)["pin_memory"]
+        self.train_loader = DataLoader(TrainRows(self.data.train), batch_sampler=self.batches_of, collate_fn=collate,
+                                       generator=torch.Generator().manual_seed(cfg.seed), pin_memory=pinned)
+        self.eval_loader = (DataLoader(self.data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate,
+                                       pin_memory=pinned) if self.data.eval is not None else None)
+
+    def setup_model(self) -> None:
+        """The model with its adapter, the optimizer, and (resuming) the plan for loading the checkpoint."""
+        recipe, cfg, device_type = self.recipe, self.cfg, self.accelerator.device.type
+        check_runtime(recipe, device_type, self.model_config)
+        torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
+        model = attach_adapter(load_base_model(recipe), recipe)
+        if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
+            fast = apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
+            if self.data.stats.get("shared_prompts") and not fast["packed_attention"]:
+                raise WorkbenchError(f"{recipe.model.path}: the per-sample attention that preference pairs holding "
+                                     "their prompt once need could not be switched on for this model; start the run "
+                                     "with training.fast_paths: false")
+        if cfg.compile:
+            compile_layers(model)
+        self.loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
+        ensure_trainable(model)
+        self.summary.params, self.summary.trainable_params = count_parameters(model)
+        check_disk_space(recipe, self.summary.trainable_params)
+        self.flop_counter = FlopCounter(model, model.config)
+        self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
+        latest = self.run_dir.latest_checkpoint() if self.resume else None
+        self.plan = (checkpoints.plan_resume(latest[1], self.layout, self.accelerator.num_processes,
+                                             cfg.micro_batch_size, len(self.data.train), model) if latest else None)
+
+    def take_over(self) -> None:
+        """Called once data and model are ready: only now is the run directory written."""
+        run, recipe = self.run_dir, self.recipe
+        if self.main:
+            if self.resume:
+                check_same_data(run, self.data.stats)
+            else:
+                run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
+            # saved as asked (`auto` stays auto: a resume on another world size chooses again)
+            recipe.override(distributed__strategy=self.requested, model__attn=self.requested_attn).save(run.recipe)
+            if self.changes:
+                latest = run.latest_checkpoint()
+                history = run.read_json().get("summary", {}).get("resume_changes", [])
+                self.summary.resume_changes = [*history, {"from_step": latest[0] if latest else 0,
+                                                          "changes": self.changes}]
+            run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
+        self.accelerator.wait_for_everyone()
+        self.taken = True
+
+    def prepare(self) -> None:
+        """Model and optimizer placed for the layout, the schedule, the objective; a resumed run's checkpoint loaded."""
+        recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
+        self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        if self.eval_loader is not None:
+            self.eval_loader = accelerator.prepare(self.eval_loader)
+        steps_per_epoch = math.ceil(len(self.train_loader) / cfg.grad_accum)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+        self.scheduler = build_scheduler(self.optimizer, recipe, self.total_steps)
+        accelerator.register_save_state_pre_hook(_only_trainable_weights)
+
+        # the loss: next-token (sft) or a preference (dpo's reference is this model with the adapter off)
+        self.objective = objectives.build(recipe, self.loss_sum_of,
+                                          objectives.adapter_off_of(accelerator.unwrap_model(self.model)))
+        self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
+        if self.plan is not None:
+            how = checkpoints.load(accelerator, self.plan, self.model, self.optimizer, self.scheduler, state,
+                                   cfg.micro_batch_size)
+            self.metrics.truncate_after(state.step)
+            accelerator.print(f"resumed from {self.plan.path} at step {state.step} ({how})")
+        elif self.main:
+            self.metrics.truncate_after(0)
+        if accelerator.trackers == [] and recipe.output.trackers:
+            start_trackers(accelerator, recipe.name, recipe.output.trackers, self.run_dir.path,
+                           _flat(recipe.to_dict()), self.stop)
+
+    def before_training(self) -> None:
+        """The summary so far, and what the run is measured against: sample generations and the step-0 evaluation."""
+        accelerator, state, s = self.accelerator, self.state, self.summary
+        s.world_size, s.total_steps, s.data = accelerator.num_processes, self.total_steps, self.data.stats
+        if self.main:  # early, so a watcher (CLI, UI) can show "step i / total" while the run is going
+            self.run_dir.update_json(summary=s.at_first_step())
+        self.samples = (_sample_generations(self.recipe, self.model, self.tokenizer, accelerator)
+                        if state.step == 0 else None)
+        eval_first = (evaluate(self.model, self.eval_loader, accelerator, self.objective)
+                      if self.eval_loader is not None and state.step == 0 else None)
+        if eval_first is not None:
+            _write_eval(self.metrics, accelerator, 0, eval_first)
+            eval_first = eval_first["eval_loss"]
+        elif state.step > 0:  # resumed: the run's own step-0 evaluation stands
+            eval_first = next((r["eval_loss"] for r in read_metrics(self.run_dir.metrics)
+                               if r.get("step") == 0 and r.get("eval_loss") is not None), None)
+        s.eval_loss_first = eval_first
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
+    def start_loop(self) -> None:
+        recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
+        self.bar = _progress(self.total_steps, state.step, enabled=self.progress_bar is True and self.main)
+        self.model.train()
+        # what the next row reports
+        self.window_sums = torch.zeros(len(self.objective.sum_names), device=accelerator.device)
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+        if state.window:  # resumed mid-window
+            if self.main:
+                # (a checkpoint written before objectives kept [loss sum, targets])
+                kept = state.window.get("sums") or [state.window["loss"], state.window["targets"]]
+                self.window_sums += torch.tensor(kept, device=accelerator.device)
+                self.window_tokens += state.window["tokens"]
+            self.window_start -= state.window["seconds"]
+            state.window = {}
+        # a resume that lowers lr (allowed, recorded)
+        if self.resume and recipe.training.lr != self.scheduler.base_lrs[0]:
+            set_peak_lr(self.scheduler, recipe.training.lr)
+        self.last_loss, self.last_report = None, {}
+        # what the user waits for before the first step
+        self.summary.startup_s = round(time.perf_counter() - self.started, 2)
+        collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
+        self.heartbeat.in_loop = True
+        self.offload = ((lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading
+                        else nullcontext)
+        self.watch = NonFiniteWatch(accelerator.device)
+        self.reads_every_step = host_reads_every_step(accelerator.device.type, cfg.on_nonfinite)
+        self.signal_group = (host_group(recipe.distributed.timeout_s)  # stop signals agreed without waiting for the GPU
+                             if accelerator.num_processes > 1 and not self.reads_every_step else None)
+
+    def run(self) -> None:
+        """Epochs until the step budget is spent."""
+        self.start_loop()
+        while self.state.step < self.total_steps:
+            self.train_epoch()
+        self.bar.close()
+        self.loop_end = time.perf_counter()
+        collective_timeout(self.recipe.distributed.startup_timeout_s)  # rank 0 writes the adapter while the others wait
+        self.heartbeat.in_loop = False
+
+    def train_epoch(self) -> None:
+        """The epoch's steps from where the run is (a resumed run starts mid-epoch); the budget may end it early."""
+        state = self.state
+        self.batches_of.set_epoch(state.epoch, skip=state.batches_in_epoch)
+        for micro_batches in _windows(_on_device(self.train_loader, self.accelerator), self.cfg.grad_accum):
+            grad_norm, signum = self.step(micro_batches)
+            if state.step % self.recipe.output.log_every == 0 or state.step == self.total_steps:
+                self.log_row(grad_norm)
+            self.maybe_evaluate()
+            self.maybe_checkpoint(signum)
+            if state.step >= self.total_steps:
+                return
+        # the epoch's data ran out before the step budget
+        state.epoch += 1
+        state.batches_in_epoch = 0
+
+    def accumulate(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over one step's micro-batches: the step's loss, and its sums for the next row."""
+        accelerator, state, objective = self.accelerator, self.state, self.objective
+        step_loss = torch.zeros((), device=accelerator.device)
+        step_sums = torch.zeros_like(self.window_sums)
+        # what the step's loss is normalised by (its target tokens, or pairs), over every rank
+        totals = accelerator.reduce(sum((objectives.counts(mb) for mb in micro_batches if not mb.get(STAND_IN)),
+                                        torch.zeros(3, device=accelerator.device)), reduction="sum")
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # DDP averages gradients over ranks: scale by the world size to undo that mean. A stand-in (no sample
+            # left here in an epoch's short last step) runs the passes the other processes wait for, adding nothing
+            weight = 0 if batch.get(STAND_IN) else accelerator.num_processes
+            with accumulation_boundary(accelerator, self.model, last), self.offload():
+                part = objective.loss(self.model, batch, totals)
+                accelerator.backward(part.loss * weight)
+            if not weight:
+                continue
+            step_loss += part.loss.detach()
+            step_sums += part.sums
+            # counted by the collator on the host: no device read per micro-batch
+            self.window_tokens += batch["num_tokens"]
+            state.flops += self.flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
+                                                        reference_forward=objective.name == "dpo")
+        return step_loss, step_sums
+
+    def step(self, micro_batches: list) -> tuple:
+        """One optimizer step: accumulate, clip, check for non-finite values, update (or skip). Returns the gradient
+        norm and the stop signal every rank agreed on (0 for none)."""
+        cfg, accelerator, state, run = self.cfg, self.accelerator, self.state, self.run_dir
+        step_start = time.perf_counter()
+        step_loss, step_sums = self.accumulate(micro_batches)
+        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
+        self.watch.observe(state.step + 1, step_loss, grad_norm)
+        decides = self.reads_every_step or _reports_after(state.step + 1, self.total_steps, self.recipe.output)
+        first_bad, signum = agree(accelerator, self.watch.first if decides else None, self.stop, self.signal_group)
+        if signum and not decides:  # stopping here: the checkpoint it writes must be checked first
+            first_bad, signum = agree(accelerator, self.watch.first, self.stop)
+        if first_bad and cfg.on_nonfinite == "stop":
+            raise NonFiniteError(_nonfinite_message(run, first_bad, state.step + 1, step_loss, grad_norm))
+        if first_bad:  # on_nonfinite: skip (read every step) — drop this update, keep the schedule
+            self.watch.reset()
+            state.skipped_steps += 1
+            if state.skipped_steps > max(MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION * (state.step + 1)):
+                raise NonFiniteError(f"training.on_nonfinite: skip dropped {state.skipped_steps} of "
+                                     f"{state.step + 1} steps: the run is not training. "
+                                     + _nonfinite_message(run, first_bad, state.step + 1, step_loss, grad_norm))
+            self.metrics.write({"step": state.step + 1, "skipped": "non-finite loss or gradients"})
+        else:
+            self.optimizer.step()
+            self.window_sums += step_sums
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        state.step += 1
+        self.heartbeat.beat(state.step)
+        state.batches_in_epoch += len(micro_batches)
+        state.train_seconds += time.perf_counter() - step_start
+        self.bar.update(1)
+        return grad_norm, signum
+
+    def log_row(self, grad_norm) -> None:
+        """A metrics row (and the trackers', and the progress bar's) for the steps since the last one."""
+        accelerator, state = self.accelerator, self.state
+        # The only host sync of the loop: read the loss when a row is written.
+        # loss None when every step of the window was skipped (on_nonfinite: skip)
+        report = self.objective.report(accelerator.reduce(self.window_sums, reduction="sum").cpu())
+        self.last_loss, self.last_report = report["loss"], report
+        tokens_total = int(accelerator.reduce(torch.tensor(self.window_tokens, device=accelerator.device),
+                                              reduction="sum"))
+        state.tokens += tokens_total
+        elapsed = time.perf_counter() - self.window_start
+        norm = _rounded(float(grad_norm)) if grad_norm is not None else None
+        row = {"step": state.step, "epoch": state.epoch, "loss": _rounded(self.last_loss),
+               "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm,
+               "tokens": state.tokens, "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 2),
+               PEAK_MEMORY_MB: round(peak_memory_mb(accelerator.device)[0], 1),
+               **{k: _rounded(v) for k, v in report.items() if k != "loss"}}
+        self.metrics.write(row)
+        log_to_trackers(accelerator, {k: v for k, v in row.items() if k != "step" and v is not None}, state.step)
+        self.bar.set_postfix(loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "skipped")
+        if self.progress_bar == "lines" and self.main:  # a log file's progress (the UI's live log): one line a row
+            print(f"step {state.step}/{self.total_steps} | loss {row['loss']} | {row['tokens_per_s']:.0f} tokens/s "
+                  f"| peak {row[PEAK_MEMORY_MB]:.0f} MB", flush=True)
+        self.window_sums.zero_()
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def maybe_evaluate(self) -> None:
+        step, every = self.state.step, self.recipe.output.eval_every
+        if self.eval_loader is not None and every and step % every == 0 and step != self.total_steps:
+            _write_eval(self.metrics, self.accelerator, step,
+                        evaluate(self.model, self.eval_loader, self.accelerator, self.objective))
+
+    def maybe_checkpoint(self, signum: int) -> None:
+        """A checkpoint every output.save_every steps, and when a stop signal arrived (then the run stops)."""
+        recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
+        saved = bool(recipe.output.save_every and state.step % recipe.output.save_every == 0)
+        if saved or signum:  # preempted or Ctrl-C: every rank stops here, after this step's checkpoint
+            state.window = _window_totals(accelerator, self.window_sums, self.window_tokens, self.window_start)
+            with patience(recipe.distributed.startup_timeout_s, then=recipe.distributed.timeout_s):
+                checkpoints.save(accelerator, self.run_dir, self.layout, self.model, self.optimizer, self.scheduler,
+                                 state, (cfg.micro_batch_size, cfg.grad_accum), recipe.output.keep_last)
+        if signum:
+            self.bar.close()
+            raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
+                              f"{self.run_dir.checkpoint(state.step).name} saved: run the same command with --resume "
+                              "to continue", signum)
+
+    # -- the end: final eval, adapter, summary ------------------------------------------------------------------
+
+    def finish(self) -> None:
+        accelerator, state, s = self.accelerator, self.state, self.summary
+        eval_final = (evaluate(self.model, self.eval_loader, accelerator, self.objective)
+                      if self.eval_loader is not None else None)
+        if eval_final is not None:
+            _write_eval(self.metrics, accelerator, state.step, eval_final)
+            s.eval_final = {f"{k}_final": v for k, v in eval_final.items() if k != "eval_loss"}
+            s.eval_loss_final = eval_final["eval_loss"]
+        save_adapter(accelerator, self.model, self.tokenizer, self.run_dir, self.recipe)
+        if self.samples is not None:
+            after = _sample_generations(self.recipe, self.model, self.tokenizer, accelerator)
+            s.samples = [{"prompt": p, "before": b, "after": a} for (p, b), (_, a) in zip(self.samples, after)]
+        self.measure()
+        if self.main:
+            self.run_dir.update_json(summary=s.at_end())
+            log_summary(accelerator, self.run_dir.read_json()["summary"], state.step)  # with what the start recorded
+            refresh_model_cards(self.run_dir.path)  # the card saved with the adapter predates these final figures
+
+    def measure(self) -> None:
+        """What the run measured, beside what the estimator predicts for it, into the summary."""
+        accelerator, state, s, device = self.accelerator, self.state, self.summary, self.accelerator.device
+        peaks = accelerator.gather(torch.tensor([peak_memory_mb(device)[0]], device=device))
+        held = accelerator.gather(torch.tensor([local_parameter_elements(self.model)], device=device))
+        device_peak, peak_source = peak_flops(device.type, compute_dtype_of(self.recipe), torch.get_num_threads())
+        world = accelerator.num_processes
+        train_s = state.train_seconds
+        # what the estimator predicts for this setup, beside what was measured (computed after the
+        # measurement, so that building the estimate never shows in the measured peak)
+        s.prediction = prediction_for_run(self.recipe, self.layout, world, device.type)
+        s.status, s.steps, s.epochs_started, s.tokens = "completed", state.step, state.epoch + 1, state.tokens
+        s.wall_s, s.train_s = round(time.perf_counter() - self.started, 2), round(train_s, 2)
+        s.finish_s = round(time.perf_counter() - self.loop_end, 2)
+        s.tokens_per_s = round(state.tokens / max(train_s, 1e-9), 2)
+        s.tokens_per_s_per_device = round(state.tokens / max(train_s, 1e-9) / world, 2)
+        s.peak_memory_mb, s.peak_memory_mb_per_rank = round(float(peaks.max()), 1), [round(float(p), 1) for p in peaks]
+        s.peak_memory_kind = peak_memory_mb(device)[1]
+        s.mfu, s.peak_flops = round(state.flops / max(train_s, 1e-9) / device_peak, 5), device_peak
+        s.peak_flops_source, s.final_loss = peak_source, self.last_loss
+        s.distributed_type = str(accelerator.distributed_type).split(".")[-1]
+        s.param_elements_per_rank = [int(n) for n in held]
+        s.trainable_checksum_per_rank = _checksums(self.model, accelerator)
+        s.skipped_steps, s.objective = state.skipped_steps, self.objective.name
+        s.preference_final = {f"{k}_final": _rounded(v) for k, v in self.last_report.items()
+                              if k in objectives.PREFERENCE_METRICS}
