@@ -40,7 +40,7 @@ def test_the_public_api_is_listed_typed_and_documented():
 def test_importing_the_package_is_instant_and_changes_nothing():
     """`import workbench` loads no heavy library and installs no warning filter; each name loads on first use
     (with the libraries' import-time notes silenced for that import only), and `wb.train` stays the function
-    even once the module workbench/train.py has been imported."""
+    once the training modules have been imported."""
     import subprocess
     import sys
 
@@ -52,9 +52,9 @@ def test_importing_the_package_is_instant_and_changes_nothing():
         assert warnings.filters == before, "import"
         wb.Recipe, wb.estimate
         assert warnings.filters == before, "first use"
-        import workbench.train
-        from workbench.train import check_same_data
-        assert isinstance(wb.train, types.FunctionType) and wb.train.__module__ == "workbench.train", wb.train
+        import workbench.training.entry
+        from workbench.training import TrainingSession
+        assert isinstance(wb.train, types.FunctionType) and wb.train.__module__ == "workbench.training.entry", wb.train
         assert "train" in dir(wb) and wb.__all__ == sorted(wb.__all__)
         assert wb.runs.RunDir and callable(wb.heap.return_large_blocks)  # submodules load on first use too
         assert not any(hasattr(wb, name) for name in ("sys", "types", "annotations", "no_such_name"))

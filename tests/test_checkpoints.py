@@ -14,6 +14,7 @@ from workbench import Recipe, RecipeError, WorkbenchError, train
 from workbench.distributed import _raised_in_collective, collective_failure
 from workbench.resume import check_resume
 from workbench.runs import RunDir
+from workbench.strategies import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,8 @@ def written(tmp_path, micro: int, accum: int, world: int, *overrides) -> RunDir:
     recipe(micro, accum, *overrides).save(run_dir.recipe)
     run_dir.checkpoint(2).mkdir(parents=True)
     (run_dir.checkpoint(2) / "workbench_checkpoint.json").write_text(json.dumps(
-        {"step": 2, "world_size": world, "micro_batch_size": micro, "grad_accum": accum}))
+        {"step": 2, "world_size": world, "micro_batch_size": micro, "grad_accum": accum,
+         "layout": Layout("ddp" if world > 1 else "single").to_json()}))
     return run_dir
 
 

@@ -14,7 +14,8 @@ import torch
 from workbench import Recipe, WorkbenchError, generate, train
 from workbench.errors import ModelError, RecipeError
 from workbench.evaluation import evaluate, format_evaluation, greedy_answers
-from workbench.export import load_for_inference, merge
+from workbench.inference import load_for_inference
+from workbench.merging import merge
 
 ROOT = os.getcwd()  # conftest moved us to the project root
 PROMPTS = ["Tell me a short story.", "What is 12 plus 13?", "Repeat the word stone three times.",

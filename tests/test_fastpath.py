@@ -13,7 +13,7 @@ from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_position
 from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                 plain_head)
 from workbench.hardware import probes
-from workbench.hardware.probes import AttentionCosts, attention_costs
+from workbench.packed_attention import AttentionCosts, attention_costs
 from workbench.packed_attention import (FORCE_ENV, PerSampleAttention, Span, _mask_of, choose_path, packed_attention,
                                         sample_spans, use_packed_attention)
 

@@ -23,7 +23,7 @@ import torch
 from conftest import FP32, ROOT
 from workbench import Recipe, export, train
 from workbench.errors import RecipeError, WorkbenchError
-from workbench.export import merge
+from workbench.merging import merge
 from workbench.gguf_export import llama_cpp_rope_order, ollama_template, pre_tokenizer_name
 
 TOLERANCE = {"f16": 3e-3, "q8_0": 8e-2}
@@ -351,7 +351,7 @@ def test_an_interrupted_exports_leftovers_are_removed_by_the_next(tmp_path):
     import subprocess
     import sys
 
-    from workbench.gguf_export import remove_leftovers
+    from workbench.staging import remove_leftovers
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()

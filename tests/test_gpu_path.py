@@ -16,7 +16,8 @@ from workbench.errors import NonFiniteError, RecipeError
 from workbench.memory import estimate
 from workbench.runs import RunDir
 from workbench.stopping import host_reads_every_step
-from workbench.train import adamw_kernel, build_optimizer, train
+from workbench import train
+from workbench.training.parts import adamw_kernel, build_optimizer
 
 from conftest import ROOT
 

@@ -11,7 +11,7 @@ from workbench.cli import main
 from workbench.distributed import check_process_count, deepspeed_config, hybrid_shard_config, verify_launch
 from workbench.hardware.current import world_size_from_env
 from workbench.strategies import DDP, FSDP, SINGLE, ZERO3
-from workbench.strategies import resolve as resolve_layout
+from workbench.layout_choice import resolve as resolve_layout
 from workbench.launcher import check_launcher_agrees, plan_launch
 from workbench.precision import resolve
 

@@ -1,4 +1,4 @@
-"""Model cards (workbench/model_card.py) and `workbench push` (workbench/hub.py): every saved adapter and merged
+"""Model cards (workbench/model_card.py) and `workbench push` (workbench/publish.py): every saved adapter and merged
 model carries a README.md whose figures are the run's own, and a push fails in a second, before any merge,
 when the hub cannot be reached or the repository id is bad."""
 
@@ -12,8 +12,8 @@ import yaml
 
 from workbench import RecipeError, WorkbenchError, train
 from workbench.cli import main
-from workbench.export import merge
-from workbench.hub import push
+from workbench.merging import merge
+from workbench.publish import push
 from workbench.model_card import refresh_model_cards, write_model_card
 from workbench.runs import RunDir
 

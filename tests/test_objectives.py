@@ -148,7 +148,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fast_twin(setup):
     """A second copy of the same model and adapter weights with the training loop's fast paths on (per-sample
-    attention over packed rows, LoRA's input path), as workbench/train.py runs it: kept apart because TRL's forward
+    attention over packed rows, LoRA's input path), as the training session runs it: kept apart because TRL's forward
     must see the libraries' own paths."""
     from workbench.fastpath import apply_fast_paths
     from workbench.models import attach_adapter, load_base_model

@@ -304,11 +304,11 @@ def test_the_margin_grows_on_the_shipped_recipe(objective, tmp_path):
 def test_sharing_the_prompt_trains_as_whole_sequences_do(objective, tmp_path, monkeypatch):
     """The loop's default on a CPU (each pair holds its prompt once) against the pairs as two whole sequences:
     the same losses, rewards and held-out figures, step by step."""
-    training = importlib.import_module("workbench.training.checks")  # where the run decides the pair layout
+    resume = importlib.import_module("workbench.resume")  # where the run decides the pair layout
     steps = ["data.packing=false", "training.max_steps=4", "output.log_every=1", "output.eval_every=4",
              "output.save_every=null"]
     shared = preference_run(tmp_path / "shared", objective, *steps)
-    monkeypatch.setattr(training, "shares_prompts", lambda *_: False)
+    monkeypatch.setattr(resume, "shares_prompts", lambda *_: False)
     whole = preference_run(tmp_path / "whole", objective, *steps)
     assert shared.summary["shared_prompts"] is True and whole.summary["shared_prompts"] is False
     assert shared.summary["tokens"] < 0.9 * whole.summary["tokens"]
@@ -326,14 +326,15 @@ def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     from transformers import LlamaConfig
 
     from workbench.attention import Attention
-    from workbench.train import pairs_share_prompts
+    from workbench.resume import ResumePlan
 
     recipe = Recipe.load("recipes/tiny-dpo.yaml")
     cpu, gpu = Attention("sdpa", "per_sample", "cpu"), Attention("flex_attention", "document_mask", "gpu")
     run = RunDir(tmp_path / "run")
 
     def shares(attention, resume, r=recipe):
-        return pairs_share_prompts(r, attention, LlamaConfig(), run, resume)
+        _, plan = ResumePlan.start(r, run, resume, world_size=1)
+        return plan.share_prompts(r, attention, LlamaConfig())
 
     assert shares(cpu, resume=False) and not shares(gpu, resume=False)
     assert shares(cpu, resume=True)  # nothing recorded yet: as a new run

@@ -7,7 +7,8 @@ import pytest
 
 from workbench import WorkbenchError, train
 from workbench.cli import main
-from workbench.hub import check_hub_access, push
+from workbench.hub import check_hub_access
+from workbench.publish import push
 
 
 @pytest.fixture

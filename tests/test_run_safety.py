@@ -13,7 +13,7 @@ import pytest
 
 from workbench import load_run, train
 from workbench.errors import DataError, RecipeError, WorkbenchError
-from workbench.export import load_for_inference
+from workbench.inference import load_for_inference
 from workbench.runs import RunDir, in_use, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import pytest
 from workbench import Recipe, RecipeError
 from workbench.memory import estimate
 from workbench.strategies import (DDP, FSDP, FSDP_HYBRID, FSDP_OFFLOAD, SINGLE, ZERO1, ZERO2, ZERO3, ZERO3_OFFLOAD,
-                                  Layout, by_name, candidates, layout_of, resolve)
+                                  Layout, by_name, candidates, layout_of)
+from workbench.layout_choice import resolve
 
 RECIPE = "recipes/tiny.yaml"
 

@@ -18,7 +18,7 @@ from workbench.cli import main
 from workbench.metrics import read_metrics
 from workbench.preflight import preflight
 from workbench.trackers import check_tracker_packages, prepare_trackers, summary_figures
-from workbench.train import _flat
+from workbench.training.parts import _flat
 
 RESOLVED_BY_THE_RUN = {"model.attn", "distributed.strategy"}  # `auto` in the recipe, concrete in the run's config
 

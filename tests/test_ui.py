@@ -498,7 +498,7 @@ def test_an_invalid_preference_strength_is_one_clear_error(h, key, value):
 
 
 def preference_rows(steps: int = 4) -> list[dict]:
-    """metrics.jsonl rows of a preference run (the keys workbench/train.py writes), with an eval at both ends."""
+    """metrics.jsonl rows of a preference run (the keys the training session writes), with an eval at both ends."""
     def figures(step: int, prefix: str = "") -> dict:
         return {f"{prefix}rewards_chosen": 0.1 * step, f"{prefix}rewards_rejected": -0.1 * step,
                 f"{prefix}reward_margin": 0.2 * step, f"{prefix}reward_accuracy": min(1.0, 0.5 + 0.1 * step),
@@ -970,7 +970,7 @@ def test_estimate_and_chat_read_the_files_the_gate_checked_in_the_workspace(h, r
     asked = []
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("workbench.export"), "generate", lambda *a, **k: asked.append(k.get("recipe")) or "ok")
+    monkeypatch.setattr(importlib.import_module("workbench.inference"), "generate", lambda *a, **k: asked.append(k.get("recipe")) or "ok")
     assert "answered" in h.chat("x", "hi", 4)[-1]
     assert [r.model.path for r in asked] == [str(root / "models/m")] * 2
 
@@ -988,7 +988,7 @@ def test_chat_shows_a_damaged_adapter_as_one_message(h, root, monkeypatch, error
     def broken(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(importlib.import_module("workbench.export"), "generate", broken)
+    monkeypatch.setattr(importlib.import_module("workbench.inference"), "generate", broken)
     base, tuned, status = h.chat("x", "hi", 4)
     assert (base, tuned) == ("", "") and "wb-error" in status and type(error).__name__ in status
     assert "<br>" not in status

@@ -373,15 +373,15 @@ class Handlers:
             return "", "", status_html("warn", "choose a run and write a prompt")
         from workbench.recipe import Recipe
 
-        export = importlib.import_module("workbench.export")  # the module (workbench.export is also a function)
+        inference = importlib.import_module("workbench.inference")
 
         try:
             run_dir = self.ws.run_dir(name)
             # it names the model to load: checked, then loaded as checked (schema-read, paths in the workspace)
             recipe = self.ws.local_recipe(self.recipe(Recipe.load(run_dir / "recipe.yaml")))
             tokens = int(max_new_tokens or 64)
-            base = export.generate(run_dir, prompt, base=True, max_new_tokens=tokens, recipe=recipe)
-            tuned = export.generate(run_dir, prompt, base=False, max_new_tokens=tokens, recipe=recipe)
+            base = inference.generate(run_dir, prompt, base=True, max_new_tokens=tokens, recipe=recipe)
+            tuned = inference.generate(run_dir, prompt, base=False, max_new_tokens=tokens, recipe=recipe)
         except (WorkbenchError, OSError, ValueError) as err:  # e.g. a run without an adapter, a missing model
             return "", "", status_html("error", _one_line(err))
         except Exception as err:  # a model or adapter the libraries cannot load: a message, not a crash

@@ -13,8 +13,6 @@ Ctrl-C back before any heavy import, so a job started with SIGINT ignored can st
 """
 
 import importlib.util as _importlib_util
-import sys as _sys
-import types as _types
 
 __version__ = "0.1.0"
 
@@ -22,14 +20,14 @@ __version__ = "0.1.0"
 _API = {
     "DataError": "errors", "ModelError": "errors", "RecipeError": "errors", "WorkbenchError": "errors",
     "compare": "api", "launch": "api", "plot_compare": "api",
-    "evaluate": "evaluation", "generate": "export", "merge": "export",
+    "evaluate": "evaluation", "generate": "inference", "merge": "merging",
     "Estimate": "memory", "estimate": "memory",
     "export": "gguf_export",
-    "push": "hub",
+    "push": "publish",
     "preview_data": "preview",
     "Recipe": "recipe",
     "Run": "runs", "TrainResult": "runs", "list_runs": "runs", "load_run": "runs",
-    "train": "train",
+    "train": "training.entry",
 }
 __all__ = sorted(_API)
 
@@ -49,15 +47,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_API})
-
-
-class _Package(_types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing the submodule workbench/train.py (or export.py) binds it on the package; `wb.train` (and
-        # `wb.export`, defined in gguf_export.py) stay the functions.
-        if name in _API and isinstance(value, _types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

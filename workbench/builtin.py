@@ -7,7 +7,6 @@ adapters trained on it name a path that plain transformers/peft can load.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
 import shutil

@@ -18,7 +18,7 @@ import torch
 from transformers import TextStreamer
 
 from .errors import RecipeError, WorkbenchError
-from .export import load_for_inference, stop_token_ids
+from .inference import load_for_inference, stop_token_ids
 
 PROMPT = "you> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer"

@@ -10,7 +10,8 @@ Each checkpoint holds two copies of the training state:
   so a run written by 2 FSDP processes continues in one process, and one written in one process on 2.
 
 `workbench_checkpoint.json` records the layout and world size that wrote the checkpoint, and the loop's
-state and the schedule as JSON; `load` picks the copy that applies or refuses, naming both layouts.
+state and the schedule as JSON; `load` restores the copy that `resume.choose` picked (which decides whether a
+checkpoint may continue a run, and how).
 
 Nothing in a checkpoint is unpickled: Accelerate loads its own files with `weights_only=True`, but the objects
 registered with `register_for_checkpointing` come back through a full unpickle, which runs whatever code the
@@ -24,7 +25,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -34,19 +35,12 @@ from .errors import WorkbenchError
 from .runs import RunDir, write_json_atomic
 from .strategies import Layout
 
+if TYPE_CHECKING:
+    from .resume import CheckpointChoice
+
 META = "workbench_checkpoint.json"
 PORTABLE_TENSORS, PORTABLE_META = "portable.safetensors", "portable.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
-
-
-@dataclass
-class ResumePlan:
-    """How a checkpoint continues in this run, decided (and its files checked) before anything is written."""
-
-    path: Path
-    how: str  # "exact": the engine's own files; "portable": the portable copy, re-sharded for this layout
-    meta: dict
-    portable: dict | None = None  # portable.json, for the portable path
 
 
 def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, batch: tuple[int, int],
@@ -74,45 +68,8 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     accelerator.wait_for_everyone()
 
 
-def plan_resume(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
-                model) -> ResumePlan:
-    """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
-    that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""
-    meta = read_meta(path)
-    pickles = sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
-    if pickles and ("progress" in meta or not meta.get("portable")):
-        raise WorkbenchError(
-            f"--resume: checkpoint {path} holds pickled state ({', '.join(pickles)}), which loading would execute; "
-            + ("the workbench never writes it: the file was put there" if "progress" in meta else
-               "it was written by an earlier version and has no portable copy: resume it with that version, or "
-               "start the run again (--overwrite)"))
-    if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
-        raise WorkbenchError(f"--resume: checkpoint {path} was written by an earlier version that recorded no "
-                             "layout; start the run again (--overwrite)")
-    written = Layout.from_json(meta["layout"])
-    where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
-    here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
-    same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
-    if same and not pickles:
-        return ResumePlan(path, "exact", meta)
-    # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
-    # moments, schedule, place in the epoch; safetensors and JSON only) continues it
-    problem = portable_problem(meta, layout)
-    if problem:
-        raise WorkbenchError(f"--resume: checkpoint {path.name} was written by {where} and this run is {here}: "
-                             f"{problem}")
-    portable = _read_portable(path, model)
-    samples, per_step = int(portable["samples_in_epoch"]), micro_batch * world_size
-    if samples % per_step and samples < samples_per_epoch:
-        raise WorkbenchError(
-            f"--resume: checkpoint {path.name} ({where}) stopped {samples} samples into its epoch, which {here} "
-            f"cannot continue from exactly ({per_step} samples a micro-batch over all processes); resume on "
-            "the process count that wrote it, or with a micro-batch that divides that count")
-    return ResumePlan(path, "portable", meta, portable)
-
-
-def load(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, micro_batch: int) -> str:
-    """Restore the planned checkpoint into this run; returns how ("exact" or "portable")."""
+def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> str:
+    """Restore the checkpoint `resume.choose` picked into this run; returns how ("exact" or "portable")."""
     if plan.how == "exact":
         accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
         _load_schedule(scheduler, plan.meta["scheduler"])
@@ -120,17 +77,6 @@ def load(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, m
     else:
         _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
     return plan.how
-
-
-def portable_problem(meta: dict, layout: Layout) -> str | None:
-    """Why a checkpoint written on one layout cannot continue on `layout` (None: it can)."""
-    if not meta.get("portable"):
-        return ("it holds only its engine's own files (a full fine-tuning checkpoint, or one written by a "
-                "bitsandbytes optimizer); resume it on the layout, process count and micro-batch that wrote it")
-    if not layout.loads_portable_state:
-        return ("a DeepSpeed engine loads only its own ZeRO partitions; resume on single, ddp or fsdp, or on the "
-                "layout, process count and micro-batch that wrote it")
-    return None
 
 
 def read_meta(path: Path) -> dict:
@@ -147,11 +93,16 @@ def read_meta(path: Path) -> dict:
                              "delete it to resume from the one before") from None
 
 
-def _layout_of(plan: ResumePlan) -> Layout:
+def pickled_files(path: Path) -> list[str]:
+    """Objects Accelerate would load from `path` through a full unpickle (earlier versions wrote them)."""
+    return sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
+
+
+def _layout_of(plan: CheckpointChoice) -> Layout:
     return Layout.from_json(plan.meta["layout"])
 
 
-def _read_portable(path: Path, model) -> dict:
+def read_portable(path: Path, model) -> dict:
     """portable.json, after checking that it and portable.safetensors hold every trainable weight's tensors in
     this model's shapes."""
     from safetensors import safe_open
@@ -230,7 +181,7 @@ def _sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _load_portable(accelerator, plan: ResumePlan, model, optimizer, scheduler, progress, micro_batch: int) -> None:
+def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 

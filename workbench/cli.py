@@ -199,7 +199,7 @@ def _load_recipe(args):
 
 def _train(args) -> int:
     from .heap import return_large_blocks
-    from .train import train
+    from .training.entry import train
 
     return_large_blocks()  # this process trains: freed per-step tensors go back to the system (workbench/heap.py)
     recipe = _load_recipe(args)
@@ -219,20 +219,23 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _print_summary(run_dir: Path, s: dict) -> None:
-    def num(key: str, spec: str, scale: float = 1.0) -> str:  # null (a non-finite figure) prints as n/a
-        value = s.get(key)
+def _print_summary(run_dir: Path, record: dict) -> None:
+    from .run_summary import RunSummary
+
+    s = RunSummary.read(record)
+
+    def num(value, spec: str, scale: float = 1.0) -> str:  # null (a non-finite figure) prints as n/a
         return format(value * scale, spec) if isinstance(value, (int, float)) else "n/a"
 
-    print(f"run: {run_dir}  ({s['status']}, {s['steps']} steps, world size {s['world_size']}, {s['strategy']})")
-    print(f"  wall {num('wall_s', '.1f')} s | {s['tokens']} tokens | {num('tokens_per_s', '.0f')} tokens/s | "
-          f"peak memory {num('peak_memory_mb', '.0f')} MB ({s['peak_memory_kind']}) | MFU {num('mfu', '.2f', 100)}% | "
-          f"{s.get('model_dtype')}, mixed precision {s.get('mixed_precision')}")
-    line = f"  final train loss {num('final_loss', '.4f')}" if s.get("final_loss") is not None else "  no loss logged"
-    if s.get("eval_loss_first") is not None or s.get("eval_loss_final") is not None:
-        line += f" | eval loss {num('eval_loss_first', '.4f')} -> {num('eval_loss_final', '.4f')}"
+    print(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})")
+    print(f"  wall {num(s.wall_s, '.1f')} s | {s.tokens} tokens | {num(s.tokens_per_s, '.0f')} tokens/s | "
+          f"peak memory {num(s.peak_memory_mb, '.0f')} MB ({s.peak_memory_kind}) | MFU {num(s.mfu, '.2f', 100)}% | "
+          f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}")
+    line = f"  final train loss {num(s.final_loss, '.4f')}" if s.final_loss is not None else "  no loss logged"
+    if s.eval_loss_first is not None or s.eval_loss_final is not None:
+        line += f" | eval loss {num(s.eval_loss_first, '.4f')} -> {num(s.eval_loss_final, '.4f')}"
     print(line)
-    for sample in s.get("samples", []):
+    for sample in s.samples or []:
         print(f"  prompt: {sample['prompt']}\n    before: {sample['before']}\n    after:  {sample['after']}")
 
 
@@ -352,7 +355,7 @@ def _evaluate(args) -> int:
 
 
 def _merge(args) -> int:
-    from .export import merge
+    from .merging import merge
 
     out = merge(args.run, out=args.out, dtype=args.dtype, push_to_hub=args.push_to_hub)
     print(f"merged model: {out}" + (f" (pushed to {args.push_to_hub})" if args.push_to_hub else ""))
@@ -368,7 +371,7 @@ def _export(args) -> int:
 
 
 def _push(args) -> int:
-    from .hub import push
+    from .publish import push
 
     url = push(args.run, args.repo, merged=args.merged, private=args.private)
     print(f"pushed {args.run}{' (merged model)' if args.merged else ''} to {url}")
@@ -406,7 +409,7 @@ def _ui(args) -> int:
 
 
 def _generate(args) -> int:
-    from .export import generate
+    from .inference import generate
 
     print(generate(args.source, args.prompt, base=args.base, max_new_tokens=args.max_new_tokens))
     return 0

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import RecipeError
+from .strategies import layout_of, layout_problem
 
 if TYPE_CHECKING:
     from .recipe import Recipe
-    from .strategies import Layout
 
 QUANTIZABLE_METHODS = ("qlora", "dora")  # dora + quantization = QDoRA
 
@@ -55,38 +55,9 @@ def check_recipe(recipe: "Recipe") -> None:
         )
     if dist.strategy in ("single", "ddp", "fsdp") or (dist.strategy == "deepspeed" and not dist.deepspeed.config_file):
         # a named strategy is checked now; `auto` (and a DeepSpeed JSON) when the layout is resolved at launch
-        from .strategies import layout_of
-
         problem = layout_problem(recipe, layout_of(recipe, world_size=2))
         if problem:
             raise ValueError(problem)
-
-
-def layout_problem(recipe: "Recipe", layout: "Layout") -> str | None:
-    """Why this recipe cannot run on this layout (naming the field to change), or None.
-
-    Checked on the layout that really runs: a named strategy's at validation, `auto`'s once resolved."""
-    training, dist = recipe.training, recipe.distributed
-    if training.gradient_checkpointing and dist.fsdp.activation_checkpointing and layout.strategy == "fsdp":
-        return ("distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on; "
-                "use one of the two")
-    if training.on_nonfinite == "skip" and layout.strategy == "deepspeed":
-        return ("training.on_nonfinite: skip is not possible under DeepSpeed, whose engine applies the update inside "
-                "backward; use on_nonfinite: stop (the last good checkpoint is kept) or strategy fsdp/ddp")
-    if training.optimizer != "adamw" and layout.strategy == "deepspeed":
-        return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
-                "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
-    q = recipe.quantization
-    if q is not None and layout.shards_weights:
-        if q.bits == 8:
-            return f"quantization.bits: 8-bit weights cannot be sharded by FSDP or ZeRO-3 ({layout.name}); use bits: 4"
-        if recipe.model.dtype == "auto" and q.quant_storage == "uint8":
-            return ("quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
-                    "set model.dtype and quantization.quant_storage to the same dtype (e.g. bfloat16)")
-        if recipe.model.dtype != "auto" and q.quant_storage != recipe.model.dtype:
-            return (f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
-                    f"set quantization.quant_storage: {recipe.model.dtype}")
-    return None
 
 
 def check_runtime(recipe: "Recipe", device_type: str, model_config) -> None:

@@ -11,12 +11,11 @@ import os
 import socket
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
 from .errors import RecipeError, WorkbenchError
-from .hardware.current import node_count, processes_per_node, world_size_from_env
+from .hardware.current import node_count, process_alive, processes_per_node, world_size_from_env
 from .recipe import Recipe
 from .strategies import Layout, read_deepspeed_file
 from .trackers import tensorboard_dir
@@ -324,17 +323,6 @@ def _raised_in_collective(err: BaseException) -> bool:
             return True
         frame = frame.tb_next
     return False
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process of this machine still runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def _launch_store():

@@ -25,7 +25,7 @@ from .data import IGNORE, Collator, Rows, load_rows, tokenize_row
 from .errors import DataError, RecipeError, WorkbenchError
 from .formats import detect, format_of
 from .quiet import leaves_the_process_as_found
-from .export import load_for_inference, stop_token_ids
+from .inference import load_for_inference, stop_token_ids
 from .recipe import DataSection
 from .runs import RunDir, load_run
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import ModelError, RecipeError, WorkbenchError
 from .quiet import leaves_the_process_as_found
+from .staging import merge_staging_folder, remove_leftovers
 
 # quant name -> (the type of every weight matrix, the file type the header announces)
 QUANTS = {
@@ -241,11 +242,11 @@ def _config(path):
 
 def _run_model_config(run):
     """The config of the model a run tunes: its saved full model, or the base its adapter applies to."""
-    from .export import check_adapter
+    from .inference import check_adapter
     from .models import resolve_model_path
 
-    if (run.path / "model").exists():
-        return _config(run.path / "model")
+    if run.dir.model.exists():
+        return _config(run.dir.model)
     check_adapter(run.path, run.adapter_dir)
     return _config(resolve_model_path(run.checked_recipe().model.path))
 
@@ -254,30 +255,13 @@ def _run_model_config(run):
 def merged_run(run, beside: Path):
     """The run's tuned model as a plain transformers folder, merged in float32 (no rounding before the
     export's own), in a temporary folder beside the output: the system temp folder may be too small."""
-    from .export import merge
+    from .merging import merge
 
-    beside.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(beside)
-    staging = Path(tempfile.mkdtemp(prefix=f".merging-{os.getpid()}-", dir=beside))
+    staging = merge_staging_folder(beside)
     try:
         yield merge(run.path, out=staging / "model", dtype="float32")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def remove_leftovers(folder: Path) -> None:
-    """Temporary merges and files of exports whose process is gone (killed): a merged model can be large."""
-    from .distributed import process_alive
-
-    for path in [*folder.glob(".merging-*"), *folder.glob(".*.gguf.*.tmp")]:
-        pid = _writer_pid(path.name)
-        if pid is not None and pid != os.getpid() and not process_alive(pid):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def _writer_pid(name: str) -> int | None:
-    parts = name.removeprefix(".merging-").split("-") if name.startswith(".merging-") else name.split(".")[-3:-2]
-    return int(parts[0]) if parts and parts[0].isdigit() else None
 
 
 # -- writing the file -------------------------------------------------------------------------

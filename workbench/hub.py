@@ -7,8 +7,6 @@ about a second, before any model is loaded or merged.
 from __future__ import annotations
 
 import os
-import tempfile
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -114,58 +112,3 @@ def _timed_out(err: Exception) -> bool:
     """A request that waited its time out, whichever HTTP library the hub client uses (httpx, requests)."""
     return isinstance(err, TimeoutError) or any(kind.__name__ in ("TimeoutException", "Timeout")
                                                 for kind in type(err).__mro__)
-
-
-# -- workbench push ---------------------------------------------------------------------------
-
-
-def push(run_dir: str | Path, repo: str, merged: bool = False, private: bool = False) -> str:
-    """Upload a run to a hub model repository (created if missing, private with private=True): its adapter
-    folder with a fresh model card, or with merged=True the merged model (an up-to-date RUN/merged folder,
-    else a merge made for the upload). Access is checked before anything is loaded or merged. Returns the
-    repository URL."""
-    from .export import check_adapter
-    from .runs import load_run
-
-    run = load_run(run_dir)  # what is pushed exists, before the hub is asked anything
-    whole_model = run.path / "model"  # full fine-tuning saved the whole model: nothing to merge
-    if not whole_model.is_dir():
-        check_adapter(run.path, run.adapter_dir)
-    check_hub_access(repo, flag="push", offline_advice="push again when online")
-    if whole_model.is_dir():
-        return _push_with_card(whole_model, run.path, repo, private, "merged", "model")
-    if not merged:
-        return _push_with_card(run.adapter_dir, run.path, repo, private, "adapter", "adapter")
-    existing = run.path / "merged"
-    if _merged_is_current(existing, run.adapter_dir):
-        return _push_with_card(existing, run.path, repo, private, "merged", "merged model")
-    return _merge_and_push(run.path, repo, private)
-
-
-def _merge_and_push(run_path: Path, repo: str, private: bool) -> str:
-    from .export import merge
-
-    # beside the run, not in /tmp: a merged model can be many gigabytes
-    with tempfile.TemporaryDirectory(prefix=".push-", dir=run_path) as scratch:
-        folder = merge(run_path, out=Path(scratch) / "merged")
-        return _push_with_card(folder, run_path, repo, private, "merged", "merged model", kept=False)
-
-
-def _push_with_card(folder: Path, run_path: Path, repo: str, private: bool, kind: str, what: str,
-                    kept: bool = True) -> str:
-    """Write the card again (the latest figures and evaluation, the repository in its snippet), then upload."""
-    from .model_card import write_model_card
-
-    try:
-        write_model_card(folder, run_path, kind, repo_id=repo)
-    except (OSError, WorkbenchError) as err:  # a read-only run directory: push what is there
-        warnings.warn(f"{folder / 'README.md'}: model card not updated ({err})", stacklevel=2)
-    return push_folder(folder, repo, private=private, flag="push", what=what, kept=kept)
-
-
-def _merged_is_current(folder: Path, adapter_dir: Path) -> bool:
-    """A merged folder made from the adapter as it is now (not from an earlier adapter of the same run)."""
-    try:
-        return (folder / "config.json").stat().st_mtime >= (adapter_dir / "adapter_model.safetensors").stat().st_mtime
-    except OSError:
-        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -10,7 +11,26 @@ from pathlib import Path
 
 import torch
 
-from .models import full_numel
+
+def full_numel(param) -> int:
+    """Values a parameter stands for: 4-bit weights store packed values, and ZeRO-3 loads
+    parameters already partitioned (an empty local tensor with the full size in ds_numel)."""
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None:
+        return int(torch.Size(quant_state.shape).numel())
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def finite_json(value):
+    """NaN and infinities become null: they are not JSON, and other readers refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory.
@@ -97,8 +117,6 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        from .runs import finite_json
-
         with self.path.open("a") as handle:
             handle.write(json.dumps(finite_json(row), allow_nan=False) + "\n")
             handle.flush()

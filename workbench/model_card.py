@@ -12,7 +12,8 @@ import re
 import warnings
 from pathlib import Path
 
-from .errors import WorkbenchError
+from .run_summary import RunSummary
+
 
 KINDS = ("adapter", "merged")
 HUB_DATA_PREFIX = "hub:"  # how data.py fingerprints a hub data set instead of hashing a file
@@ -238,20 +239,20 @@ def _results_section(summary: dict, metrics: list[dict], env: dict) -> str:
     train_rows = [m for m in metrics if m.get("loss") is not None]
     eval_rows = [m for m in metrics if m.get("eval_loss") is not None]
     last = train_rows[-1] if train_rows else {}
-    rows = [("steps", _first(summary.get("steps"), last.get("step"))),
-            ("tokens trained", _first(summary.get("tokens"), last.get("tokens"))),
-            ("tokens/s", summary.get("tokens_per_s")),
-            ("peak memory (MB)", summary.get("peak_memory_mb")),
-            ("MFU (fraction of peak FLOP/s)", summary.get("mfu")),
-            ("wall time (s)", summary.get("wall_s")),
-            ("final train loss", _first(summary.get("final_loss"), last.get("loss"))),
-            ("eval loss before", _first(summary.get("eval_loss_first"), eval_rows[0]["eval_loss"] if eval_rows
-                                        else None)),
-            ("eval loss after", _first(summary.get("eval_loss_final"), eval_rows[-1]["eval_loss"]
-                                       if len(eval_rows) > 1 else None))]
+    s = RunSummary.read(summary)
+    rows = [("steps", _first(s.steps, last.get("step"))),
+            ("tokens trained", _first(s.tokens, last.get("tokens"))),
+            ("tokens/s", s.tokens_per_s),
+            ("peak memory (MB)", s.peak_memory_mb),
+            ("MFU (fraction of peak FLOP/s)", s.mfu),
+            ("wall time (s)", s.wall_s),
+            ("final train loss", _first(s.final_loss, last.get("loss"))),
+            ("eval loss before", _first(s.eval_loss_first, eval_rows[0]["eval_loss"] if eval_rows else None)),
+            ("eval loss after", _first(s.eval_loss_final, eval_rows[-1]["eval_loss"] if len(eval_rows) > 1
+                                       else None))]
     rows += _preference_rows(summary)
     where = _measured_on(summary, env)
-    status = summary.get("status")
+    status = s.status
     note = "" if status == "completed" else f"\n\nThe run's status is {_code(status)}: figures may be incomplete."
     return f"## Results\n\nMeasured by the run{where}.\n\n" + _table(("figure", "value"), rows) + note
 

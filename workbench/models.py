@@ -11,13 +11,11 @@ import torch
 from .builtin import is_builtin, resolve_builtin
 from .errors import ModelError
 from .hardware.current import current_device, local_kind
-from .recipe import AdapterSection, ModelSection, Recipe
+from .metrics import full_numel
+from .model_configs import target_modules
+from .recipe import ModelSection, Recipe
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TARGET_MODULE_PRESETS = {
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mlp": ["gate_proj", "up_proj", "down_proj"],
-}
 
 
 def resolve_model_path(path: str) -> str:
@@ -159,14 +157,6 @@ def bnb_config(recipe: Recipe):
     )
 
 
-def target_modules(adapter: AdapterSection) -> str | list[str]:
-    if isinstance(adapter.target_modules, list):
-        return adapter.target_modules
-    if adapter.target_modules == "all-linear":
-        return "all-linear"
-    return TARGET_MODULE_PRESETS[adapter.target_modules]
-
-
 def attach_adapter(model, recipe: Recipe):
     """Wrap the base model for training: a PEFT adapter, or every weight trainable for `full`."""
     adapter = recipe.adapter
@@ -268,12 +258,3 @@ def count_parameters(model) -> tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return total, trainable
-
-
-def full_numel(param) -> int:
-    """Values a parameter stands for: 4-bit weights store packed values, and ZeRO-3 loads
-    parameters already partitioned (an empty local tensor with the full size in ds_numel)."""
-    quant_state = getattr(param, "quant_state", None)
-    if quant_state is not None:
-        return int(torch.Size(quant_state.shape).numel())
-    return int(getattr(param, "ds_numel", param.numel()))

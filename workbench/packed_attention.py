@@ -26,13 +26,16 @@ with the dropout and the window applied.
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .data import sample_starts
-from .hardware.probes import attention_costs, measured_attention_costs
+from .hardware.current import cpu_model_name
+from .hardware.probes import measured, once, stored
 
 NAME = "sdpa_packed"
 FORCE_ENV = "LORA_WORKBENCH_PACKED_ATTENTION"
@@ -95,7 +98,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.transpose(1, 2).contiguous(), None
 
 
-# -- which path: a cost model measured on this machine (workbench.hardware.probes.AttentionCosts) ----------
+# -- which path: a cost model measured on this machine (AttentionCosts, below) ----------
 
 
 def choose_path(spans: list[list["Span"]], query: torch.Tensor, key: torch.Tensor) -> str:
@@ -258,3 +261,81 @@ def _span_backward(q, k, v, o, grad_o, scale: float, prefix: int = 0):
         grad_k = grad_k.view(k.shape[0], group, k.shape[1], -1).sum(1)
         grad_v = grad_v.view(k.shape[0], group, k.shape[1], -1).sum(1)
     return grad_q, grad_k, grad_v
+
+
+# -- the cost model: measured on this machine, kept in the probes' cache -----------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """Seconds of one attention forward + backward on this CPU, on each path:
+    per-sample = calls·per_call + Σn²·per_score; masked = rows·(masked_call + L²·masked_score)."""
+
+    per_call: float
+    per_score: float
+    masked_call: float
+    masked_score: float
+
+    def per_sample(self, spans: list[list]) -> float:
+        calls = sum(len(row) for row in spans)
+        # a shared prompt adds (answer × prompt) scores, all of them computed, against causal n² / 2
+        scores = sum(span.length ** 2 + 2 * span.length * span.prefix for row in spans for span in row)
+        return calls * self.per_call + scores * self.per_score
+
+    def masked(self, rows: int, length: int) -> float:
+        return rows * (self.masked_call + length * length * self.masked_score)
+
+
+def attention_costs(heads: int, kv_heads: int, head_dim: int, dtype) -> AttentionCosts:
+    """Measured once per shape, dtype and thread count on this CPU; cached in the process and on disk, so
+    every run on this machine (a resumed one too) takes the same path for the same batch."""
+    return _attention_costs(heads, kv_heads, head_dim, dtype, torch.get_num_threads())
+
+
+def measured_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts | None:
+    """What attention_costs measured in this process for these arguments, or None: never measures (a forward
+    asks it)."""
+    return measured("_attention_costs", heads, kv_heads, head_dim, dtype, threads)
+
+
+@once
+def _attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts:
+    key = f"{cpu_model_name()}|torch {torch.__version__}|" + "|".join(
+        map(str, (heads, kv_heads, head_dim, str(dtype), threads)))
+    values, _ = stored("attention_costs.json", key,
+                       lambda: _measure_attention_costs(heads, kv_heads, head_dim, dtype).__dict__)
+    return AttentionCosts(**values)
+
+
+def _measure_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, length: int = 256) -> AttentionCosts:
+    """Two timings per path (a row of many short samples, one of a single long one) fix its two constants."""
+    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
+
+    def timed(run, lengths) -> float:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        spans = sample_spans(positions, 1)
+        q = torch.randn(1, heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+        k, v = (torch.randn(1, kv_heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
+                for _ in range(2))
+        best = float("inf")
+        for _ in range(3):  # best of three: other work on the machine only ever adds time
+            start = time.perf_counter()
+            run(q, k, v, positions, spans).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def per_sample(q, k, v, positions, spans):
+        return PerSampleAttention.apply(q, k, v, spans, head_dim ** -0.5)
+
+    def masked(q, k, v, positions, spans):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_of(positions, spans, q.shape[2]),
+                                              enable_gqa=heads != kv_heads)
+
+    short, long = [16] * (length // 16), [length]
+    many, one = timed(per_sample, short), timed(per_sample, long)
+    # many = 16·call + 16·16²·score, one = call + 256²·score
+    per_score = max((16 * one - many) / (16 * length**2 - len(short) * 16**2), 1e-15)
+    per_call = max((one - length**2 * per_score), 0.0)
+    full, small = timed(masked, long), timed(masked, [length // 4])
+    masked_score = max((full - small) / (length**2 - (length // 4) ** 2), 1e-15)
+    return AttentionCosts(per_call, per_score, max(small - (length // 4) ** 2 * masked_score, 0.0), masked_score)

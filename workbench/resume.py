@@ -1,23 +1,38 @@
-"""What `--resume` may change: the recipe a run saved decides, and only changes that keep the run the same run pass.
+"""Resuming a run: every question a resumed run answers against the run it continues, in one place.
 
-A resumed run must continue the run its files describe. Settings that change what is trained, on which data,
-or the schedule it follows (lr, steps, batch, adapter shape, precision) are refused with one error listing
-them. The samples of one step (micro-batch x accumulation x processes) stay what they were: on another process
-count the accumulation is adjusted to keep them (and a line says so), the micro-batch and accumulation may be
-changed while their product with the process count stays the same, and any other product is refused, naming it
-before and after and the settings that keep it. Settings that only change how the run is watched or how fast it goes,
-and a new peak lr (the way out of a divergence: warmup and decay continue, scaled), are allowed and
-recorded with the checkpoint step they start from. `auto` in the new recipe keeps what the run resolved it to.
+`ResumePlan.start` reads the run once and answers them as the run gets to each (a new run's plan passes them all):
+
+- the recipe (`check_resume`): settings that change what is trained, on which data, or the schedule it follows
+  (lr, steps, batch, adapter shape, precision) are refused with one error listing them. Settings that only change
+  how the run is watched or how fast it goes, and a new peak lr (the way out of a divergence: warmup and decay
+  continue, scaled), are allowed and recorded with the checkpoint step they start from. `auto` in the new recipe
+  keeps what the run resolved it to;
+- the samples of a step (one rule, `_keep_samples_per_step` and `_continues_mid_epoch`): micro-batch x
+  accumulation x processes stays what it was. On another process count the accumulation is adjusted to keep it
+  (a line says so), the micro-batch and accumulation may change while their product with the process count stays
+  the same, and any other product is refused, naming it before and after and the settings that keep it; a
+  checkpoint taken mid-epoch continues only where a micro-batch over all processes divides its place in the epoch;
+- the pair layout (`share_prompts`) and the data (`check_data`): the rows and their order stay what the
+  checkpoints counted;
+- the checkpoint (`choose_checkpoint`): the engine's own files on the layout, process count and micro-batch that
+  wrote it, the portable copy on another, refusals naming both; no pickle is ever loaded.
+
+`checkpoints.py` writes and reads the bytes; it decides nothing about whether a run may continue.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .errors import RecipeError
+from . import checkpoints
+from .attention import model_drops_out, shares_prompts
+from .errors import RecipeError, WorkbenchError
 from .precision import AUTO
 from .recipe import Recipe
 from .runs import RunDir
+from .strategies import Layout
 
 # Dotted keys (or section prefixes ending in ".") a resume may change.
 SAFE_TO_CHANGE = (
@@ -30,6 +45,79 @@ SAFE_TO_CHANGE = (
     "distributed.",  # the strategy of the processes that continue it (checked when the state loads)
 )
 PRECISION_KEYS = ("model.dtype", "training.mixed_precision", "quantization.compute_dtype")
+
+
+@dataclass
+class CheckpointChoice:
+    """Which copy of which checkpoint continues the run: "exact" (the engine's own files) or "portable" (the
+    portable copy, re-sharded for this layout); its files checked before anything is written."""
+
+    path: Path
+    how: str
+    meta: dict
+    portable: dict | None = None  # portable.json, for the portable path
+
+
+@dataclass
+class ResumePlan:
+    """The answers for one run; `resuming` False: a new run, which every check lets through."""
+
+    run: RunDir
+    resuming: bool = False
+    changes: dict[str, list] = field(default_factory=dict)  # allowed recipe changes, {key: [saved, new]}
+    notes: list[str] = field(default_factory=list)  # what was adjusted to keep the run the same, a line each
+    recorded: dict = field(default_factory=dict)  # the summary the run recorded so far
+    checkpoint: CheckpointChoice | None = None
+
+    @classmethod
+    def start(cls, recipe: Recipe, run: RunDir, resume: bool, world_size: int) -> tuple[Recipe, "ResumePlan"]:
+        """The recipe to continue with (the saved run's `auto` settings, an adjusted accumulation) and the plan.
+        Reads files only; RecipeError listing every refused recipe change."""
+        if not resume:
+            return recipe, cls(run)
+        plan = cls(run, resuming=True, recorded=run.read_json().get("summary", {}))
+        if run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
+            recipe, plan.changes, plan.notes = check_resume(recipe, run, world_size)
+        return recipe, plan
+
+    def share_prompts(self, recipe: Recipe, attention, model_config) -> bool:
+        """Whether this run's preference pairs hold their prompt once (attention.shares_prompts). A resumed run
+        keeps the layout it started with, so its rows and their order stay what its checkpoints counted."""
+        here = shares_prompts(attention, recipe, model_config)
+        if "train_sha256" not in self.recorded:  # a new run, or one that never got as far as its data
+            return here
+        before = bool(self.recorded.get("shared_prompts"))
+        if before and not here:
+            raise WorkbenchError(
+                "--resume: this run started with each preference pair holding its prompt once, which needs a CPU's "
+                "per-sample attention (training.fast_paths: true) and no dropout; here: attention "
+                f"{attention.implementation} ({attention.packed_rows}), adapter.dropout {recipe.adapter.dropout}, "
+                f"the model's own dropout {'on' if model_drops_out(model_config) else 'off'}; resume it where all "
+                "three hold, or start a new run")
+        return before
+
+    def check_data(self, stats: dict) -> None:
+        """A resumed run trains on the bytes it started on: a data file changed since then is refused."""
+        for key in ("train_sha256", "eval_sha256"):
+            if self.recorded.get(key) and stats.get(key) and self.recorded[key] != stats[key]:
+                part = key.split("_")[0]
+                raise WorkbenchError(f"--resume: data.{part} changed since the run started (its content hash "
+                                     "differs); resume with the data it started on, or start a new run")
+
+    def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
+                          model) -> None:
+        """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
+        latest = self.run.latest_checkpoint() if self.resuming else None
+        if latest is not None:
+            self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model)
+
+    def history(self) -> list[dict]:
+        """The run's recipe changes so far, this resume's appended (from the step it continues at)."""
+        earlier = self.recorded.get("resume_changes", [])
+        if not self.changes:
+            return earlier
+        step = self.checkpoint.meta["step"] if self.checkpoint else 0
+        return [*earlier, {"from_step": step, "changes": self.changes}]
 
 
 def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Recipe, dict[str, list], list[str]]:
@@ -96,17 +184,75 @@ def _keep_samples_per_step(saved: Recipe, new: Recipe, run: RunDir,
 def _written_by(saved: Recipe, run: RunDir) -> tuple[int, int, int] | None:
     """(micro-batch, accumulation, processes) of the run so far: the checkpoint that continues says what wrote it
     (run.json for checkpoints that do not); None where nothing says."""
-    import json
-
     latest = run.latest_checkpoint()
     try:
-        meta = json.loads((latest[1] / "workbench_checkpoint.json").read_text()) if latest else {}
+        meta = checkpoints.read_meta(latest[1]) if latest else {}
         return int(meta["micro_batch_size"]), int(meta["grad_accum"]), int(meta["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (WorkbenchError, ValueError, KeyError, TypeError):
         saved_world = run.read_json().get("summary", {}).get("world_size")
         if not isinstance(saved_world, int):
             return None
         return saved.training.micro_batch_size, saved.training.grad_accum, saved_world
+
+
+def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: int, micro_batch: int, world_size: int) -> bool:
+    """The other half of the rule: a checkpoint taken `samples_in_epoch` samples into its epoch continues exactly
+    where one micro-batch over all processes divides that (or the epoch is over)."""
+    return samples_in_epoch % (micro_batch * world_size) == 0 or samples_in_epoch >= samples_per_epoch
+
+
+# -- the checkpoint ------------------------------------------------------------------------------
+
+
+def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
+           model) -> CheckpointChoice:
+    """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
+    that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""
+    meta = checkpoints.read_meta(path)
+    pickles = checkpoints.pickled_files(path)
+    if pickles and ("progress" in meta or not meta.get("portable")):
+        raise WorkbenchError(
+            f"--resume: checkpoint {path} holds pickled state ({', '.join(pickles)}), which loading would execute; "
+            + ("the workbench never writes it: the file was put there" if "progress" in meta else
+               "it was written by an earlier version and has no portable copy: resume it with that version, or "
+               "start the run again (--overwrite)"))
+    if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
+        raise WorkbenchError(f"--resume: checkpoint {path} was written by an earlier version that recorded no "
+                             "layout; start the run again (--overwrite)")
+    written = Layout.from_json(meta["layout"])
+    where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
+    here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
+    same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
+    if same and not pickles:
+        return CheckpointChoice(path, "exact", meta)
+    # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
+    # moments, schedule, place in the epoch; safetensors and JSON only) continues it
+    problem = portable_problem(meta, layout)
+    if problem:
+        raise WorkbenchError(f"--resume: checkpoint {path.name} was written by {where} and this run is {here}: "
+                             f"{problem}")
+    portable = checkpoints.read_portable(path, model)
+    if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
+        raise WorkbenchError(
+            f"--resume: checkpoint {path.name} ({where}) stopped {portable['samples_in_epoch']} samples into its "
+            f"epoch, which {here} cannot continue from exactly ({micro_batch * world_size} samples a micro-batch "
+            "over all processes); resume on the process count that wrote it, or with a micro-batch that divides "
+            "that count")
+    return CheckpointChoice(path, "portable", meta, portable)
+
+
+def portable_problem(meta: dict, layout: Layout) -> str | None:
+    """Why a checkpoint written on one layout cannot continue on `layout` (None: it can)."""
+    if not meta.get("portable"):
+        return ("it holds only its engine's own files (a full fine-tuning checkpoint, or one written by a "
+                "bitsandbytes optimizer); resume it on the layout, process count and micro-batch that wrote it")
+    if not layout.loads_portable_state:
+        return ("a DeepSpeed engine loads only its own ZeRO partitions; resume on single, ddp or fsdp, or on the "
+                "layout, process count and micro-batch that wrote it")
+    return None
+
+
+# -- small helpers -------------------------------------------------------------------------------
 
 
 def _product(batch: tuple[int, int, int]) -> int:

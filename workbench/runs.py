@@ -6,7 +6,6 @@ runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/ 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import re
@@ -18,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import WorkbenchError
-from .metrics import read_metrics
+from .metrics import finite_json, read_metrics
+from .run_summary import HEADLINE, RunSummary
 
 CHECKPOINT_PREFIX = "step-"
 # What a training run writes into its directory besides run.json (its trackers' folders included), and the
@@ -55,17 +55,6 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def finite_json(value):
-    """NaN and infinities become null: they are not JSON, and other readers refuse them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
 def replace_folder(staging: Path, target: Path) -> None:
     """Put a completely written folder in place of `target` (renames only; the old one is removed last)."""
     old = target.with_name(f".old-{target.name}")
@@ -86,6 +75,8 @@ class RunDir:
     run_json = property(lambda self: self.path / "run.json")
     metrics = property(lambda self: self.path / "metrics.jsonl")
     adapter = property(lambda self: self.path / "adapter")
+    model = property(lambda self: self.path / "model")  # a full fine-tune's whole model, instead of adapter/
+    merged = property(lambda self: self.path / "merged")  # `workbench merge`'s default output
     checkpoints = property(lambda self: self.path / "checkpoints")
 
     def claim(self, resume: bool, overwrite: bool) -> None:
@@ -336,8 +327,18 @@ class Run:
         return self.path.name
 
     @property
+    def figures(self) -> RunSummary:
+        """The summary read by attribute (`run.figures.peak_memory_mb`)."""
+        return RunSummary.read(self.summary)
+
+    @property
+    def dir(self) -> RunDir:
+        """Every path inside the run directory."""
+        return RunDir(self.path)
+
+    @property
     def adapter_dir(self) -> Path:
-        return self.path / "adapter"
+        return self.dir.adapter
 
     @property
     def history(self):
@@ -392,19 +393,14 @@ def metrics_frame(rows: list[dict]):
     return frame if "step" not in frame else frame.reset_index(drop=True)
 
 
-SUMMARY_FIELDS = [("status", "status"), ("steps", "steps"), ("strategy", "strategy"), ("world_size", "world size"),
-                  ("tokens_per_s", "tokens/s"), ("peak_memory_mb", "peak memory (MB)"),
-                  ("predicted_peak_memory_mb", "predicted peak (MB)"), ("mfu", "MFU"), ("wall_s", "wall (s)"),
-                  ("final_loss", "final loss"), ("eval_loss_first", "eval loss before"),
-                  ("eval_loss_final", "eval loss after")]
-
-
 def summary_html(name: str, summary: dict) -> str:
     """A run's headline figures as a small HTML table, for notebooks."""
     import html
 
-    cells = "".join(f"<tr><th style='text-align:left'>{label}</th><td>{html.escape(_shown(summary.get(key)))}</td></tr>"
-                    for key, label in SUMMARY_FIELDS if summary.get(key) is not None)
+    figures = RunSummary.read(summary)
+    shown = [(label, getattr(figures, name)) for name, label in HEADLINE]
+    cells = "".join(f"<tr><th style='text-align:left'>{label}</th><td>{html.escape(_shown(value))}</td></tr>"
+                    for label, value in shown if value is not None)
     return f"<div><b>run {html.escape(name)}</b><table>{cells}</table></div>"
 
 
@@ -466,20 +462,20 @@ COMPARE_COLUMNS = ["run", "status", "method", "objective", "r", "lr", "precision
 def compare_rows(runs: list[Run]) -> list[dict]:
     rows = []
     for run in runs:
-        s = run.summary
+        s = run.figures
         rows.append({
-            "run": run.name, "status": s.get("status"),
+            "run": run.name, "status": s.status,
             "method": _section(run.recipe, "adapter").get("method"), "r": _section(run.recipe, "adapter").get("r"),
-            "objective": s.get("objective") or _section(run.recipe, "training").get("objective", "sft"),
+            "objective": s.objective or _section(run.recipe, "training").get("objective", "sft"),
             "lr": _section(run.recipe, "training").get("lr"),
-            "precision": _section(run.recipe, "training").get("mixed_precision"), "strategy": s.get("strategy"),
-            "world_size": s.get("world_size"), "steps": s.get("steps"), "tokens_per_s": s.get("tokens_per_s"),
-            "peak_memory_mb": s.get("peak_memory_mb"), "predicted_peak_memory_mb": s.get("predicted_peak_memory_mb"),
-            "mfu": s.get("mfu"), "wall_s": s.get("wall_s"), "final_loss": s.get("final_loss"),
-            "eval_loss_first": s.get("eval_loss_first"), "eval_loss_final": s.get("eval_loss_final"),
+            "precision": _section(run.recipe, "training").get("mixed_precision"), "strategy": s.strategy,
+            "world_size": s.world_size, "steps": s.steps, "tokens_per_s": s.tokens_per_s,
+            "peak_memory_mb": s.peak_memory_mb, "predicted_peak_memory_mb": s.predicted_peak_memory_mb,
+            "mfu": s.mfu, "wall_s": s.wall_s, "final_loss": s.final_loss,
+            "eval_loss_first": s.eval_loss_first, "eval_loss_final": s.eval_loss_final,
             # preference runs (training.objective dpo/orpo): the last logged and the final held-out figures
-            **{key: s.get(key) for key in ("reward_margin_final", "reward_accuracy_final",
-                                           "eval_reward_margin_final", "eval_reward_accuracy_final")},
+            **{key: s.preference_final.get(key) for key in ("reward_margin_final", "reward_accuracy_final")},
+            **{key: s.eval_final.get(key) for key in ("eval_reward_margin_final", "eval_reward_accuracy_final")},
             **_evaluation_cells(run.evaluation),
         })
     return rows

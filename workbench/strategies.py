@@ -3,9 +3,10 @@
 A layout is a complete answer to "how do the processes share the work": the recipe's strategy word
 (single, ddp, fsdp, deepspeed) plus the settings that change what each process holds (ZeRO stage,
 offload, full or hybrid sharding). The memory estimator reads which parts a layout shards or offloads,
-the compatibility rules and `auto` resolve to a layout, the accelerator is built from it
-(workbench/distributed.py) and checkpoints record it (workbench/checkpoints.py). Adding a layout
-touches this module, its plugin builder and the recipe schema.
+the rules of which recipes a layout can run live here (`layout_problem`), `auto` resolves to a layout
+(workbench/layout_choice.py), the accelerator is built from it (workbench/distributed.py) and checkpoints
+record it (workbench/checkpoints.py). Adding a layout touches this module, its plugin builder and the recipe
+schema.
 """
 
 from __future__ import annotations
@@ -157,54 +158,31 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
     return DDP  # ddp, or single asked of several processes: each a full replica
 
 
-def resolve(recipe: "Recipe", world_size: int, nodes: int = 1, device_memory: int | str | None = None
-            ) -> tuple["Recipe", Layout, str]:
-    """The recipe set to run one complete layout on `world_size` processes, the layout, and why.
+def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
+    """Why this recipe cannot run on this layout (naming the field to change), or None.
 
-    `auto` asks the memory estimator for the first layout, in order of preference, that fits on the
-    device and that the compatibility rules allow for this recipe. The returned recipe carries the
-    layout's settings, so the accelerator that is built runs exactly what was chosen.
-    """
-    from .compat import layout_problem
-
-    if world_size == 1 or recipe.distributed.strategy != "auto":
-        layout = layout_of(recipe, world_size)
-        why = "one process" if world_size == 1 else "set in the recipe"
-    else:
-        layout, why = _choose(recipe, world_size, nodes, device_memory)
-    problem = layout_problem(recipe, layout)
-    if problem:
-        raise RecipeError(f"{problem} (layout {layout.name}: {why})")
-    if recipe.distributed.deepspeed.config_file and layout.strategy == "deepspeed":
-        return recipe, layout, why  # the user's JSON stays as written
-    return recipe.override(**{k.replace(".", "__"): v for k, v in layout.settings().items()}), layout, why
-
-
-def _choose(recipe: "Recipe", world_size: int, nodes: int, device_memory) -> tuple[Layout, str]:
-    from .compat import layout_problem
-    from .memory import estimate
-
-    est = estimate(recipe, world_size=world_size, nodes=nodes, device=None, device_memory=device_memory)
-    memory = est.device["memory_bytes"]
-    on_cpu = est.device["kind"] == "cpu"  # on a CPU every process of the machine shares its memory
-    refused = []
-    for row in est.strategies:
-        layout = by_name(row["name"]) if row["name"] != "single" else DDP
-        problem = layout_problem(recipe, layout)
-        if problem:
-            refused.append(layout.name)
-            continue
-        if row["fits"]:
-            need = row["cpu_bytes"] if on_cpu else row["per_device_bytes"]
-            skipped = f"; {', '.join(refused)} not allowed for this recipe" if refused else ""
-            return layout, (f"auto: {layout.name} is the first layout that fits ({need / 2**30:.2f} of "
-                            f"{memory / 2**30:.2f} GiB {'on this machine' if on_cpu else 'per device'}{skipped})")
-    not_allowed = f" ({', '.join(refused)} not allowed for this recipe)" if refused else ""
-    raise RecipeError(
-        f"distributed.strategy: auto found no layout that fits this recipe on {world_size} x {est.device['name']} "
-        f"({memory / 2**30:.2f} GiB){not_allowed}; see `workbench estimate` for each layout's memory, "
-        "set distributed.device_memory, or name a strategy"
-    )
+    Checked on the layout that really runs: a named strategy's at validation, `auto`'s once resolved."""
+    training, dist = recipe.training, recipe.distributed
+    if training.gradient_checkpointing and dist.fsdp.activation_checkpointing and layout.strategy == "fsdp":
+        return ("distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on; "
+                "use one of the two")
+    if training.on_nonfinite == "skip" and layout.strategy == "deepspeed":
+        return ("training.on_nonfinite: skip is not possible under DeepSpeed, whose engine applies the update inside "
+                "backward; use on_nonfinite: stop (the last good checkpoint is kept) or strategy fsdp/ddp")
+    if training.optimizer != "adamw" and layout.strategy == "deepspeed":
+        return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
+                "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
+    q = recipe.quantization
+    if q is not None and layout.shards_weights:
+        if q.bits == 8:
+            return f"quantization.bits: 8-bit weights cannot be sharded by FSDP or ZeRO-3 ({layout.name}); use bits: 4"
+        if recipe.model.dtype == "auto" and q.quant_storage == "uint8":
+            return ("quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                    "set model.dtype and quantization.quant_storage to the same dtype (e.g. bfloat16)")
+        if recipe.model.dtype != "auto" and q.quant_storage != recipe.model.dtype:
+            return (f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                    f"set quantization.quant_storage: {recipe.model.dtype}")
+    return None
 
 
 def read_deepspeed_file(path) -> dict:

@@ -1,6 +1,6 @@
 """output.trackers: the run's metrics, config and summary, also sent to TensorBoard, W&B or MLflow.
 
-Accelerate's own trackers do the sending (train.py logs each metrics.jsonl row through `log_to_trackers`).
+Accelerate's own trackers do the sending (the training session logs each metrics.jsonl row through `log_to_trackers`).
 This module checks their packages and settings before a run starts (no weights loaded yet), points their files
 into the run directory unless the user's environment says otherwise, puts a time limit on MLflow's requests,
 starts them (a stop signal ends a start that waits on a server), and hands them the run's summary at the end.

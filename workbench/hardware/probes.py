@@ -1,5 +1,9 @@
 """Every measurement of this machine, with one cache.
 
+The machine's probes live here (matmul rates, what a training process holds before its model, FlexAttention on
+this GPU); a kernel's own cost model lives beside its kernel and keeps its figures in the same cache
+(`packed_attention.AttentionCosts`), and the runtime probe runs as its own program (`runtime_probe.py`).
+
 Each probe's result is kept in a table under cache_dir()/estimator (one JSON file per probe, keyed by what the
 result depends on: the CPU model, the library versions, a shape ...), so a later process on this machine reads
 it instead of measuring; a key it has not seen is measured again. Within a process every probe runs at most
@@ -14,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +43,11 @@ def once(probe: Callable) -> Callable:
         return _memo[key]
 
     return remembered
+
+
+def measured(probe: str, *args) -> Any:
+    """What probe `probe` returned in this process for these arguments, or None: never measures."""
+    return _memo.get((probe, *args))
 
 
 def read_cache_json(name: str) -> dict:
@@ -174,132 +182,12 @@ def cpu_runtime_bytes() -> int:
 def _measure_runtime() -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", "from workbench.hardware.probes import runtime_probe; "
-                             "runtime_probe()"], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, "-m", "workbench.hardware.runtime_probe"], capture_output=True,
+                            text=True, timeout=600, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
         raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
     return int(json.loads(lines[-1])["peak_rss_bytes"])
-
-
-def runtime_probe() -> None:
-    """Run in a fresh process: what every training process holds before its model (see cpu_runtime_bytes)."""
-    import datasets
-    import torch
-    from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    import workbench.train  # noqa: F401  (the whole training stack)
-    from workbench.builtin import CHATML_TEMPLATE
-    from workbench.metrics import peak_rss_bytes
-
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>")
-    tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
-    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).map(lambda row: row)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # Every run unwraps its model, and Accelerate's unwrap imports DeepSpeed where it is installed (~140 MiB).
-    accelerator.unwrap_model(model)
-    ids = torch.randint(0, 64, (2, 16))
-    for _ in range(2):
-        accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
-
-
-# -- attention ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AttentionCosts:
-    """Seconds of one attention forward + backward on this CPU (workbench/packed_attention.py):
-    per-sample = calls·per_call + Σn²·per_score; masked = rows·(masked_call + L²·masked_score)."""
-
-    per_call: float
-    per_score: float
-    masked_call: float
-    masked_score: float
-
-    def per_sample(self, spans: list[list]) -> float:
-        calls = sum(len(row) for row in spans)
-        # a shared prompt adds (answer × prompt) scores, all of them computed, against causal n² / 2
-        scores = sum(span.length ** 2 + 2 * span.length * span.prefix for row in spans for span in row)
-        return calls * self.per_call + scores * self.per_score
-
-    def masked(self, rows: int, length: int) -> float:
-        return rows * (self.masked_call + length * length * self.masked_score)
-
-
-def attention_costs(heads: int, kv_heads: int, head_dim: int, dtype) -> AttentionCosts:
-    """Measured once per shape, dtype and thread count on this CPU; cached in the process and on disk, so
-    every run on this machine (a resumed one too) takes the same path for the same batch."""
-    import torch
-
-    return _attention_costs(heads, kv_heads, head_dim, dtype, torch.get_num_threads())
-
-
-def measured_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts | None:
-    """What attention_costs measured in this process for these arguments, or None: never measures (a forward
-    asks it)."""
-    return _memo.get(("_attention_costs", heads, kv_heads, head_dim, dtype, threads))
-
-
-@once
-def _attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, threads: int) -> AttentionCosts:
-    import torch
-
-    key = f"{cpu_model_name()}|torch {torch.__version__}|" + "|".join(
-        map(str, (heads, kv_heads, head_dim, str(dtype), threads)))
-    values, _ = stored("attention_costs.json", key,
-                       lambda: _measure_attention_costs(heads, kv_heads, head_dim, dtype).__dict__)
-    return AttentionCosts(**values)
-
-
-def _measure_attention_costs(heads: int, kv_heads: int, head_dim: int, dtype, length: int = 256) -> AttentionCosts:
-    """Two timings per path (a row of many short samples, one of a single long one) fix its two constants."""
-    import torch
-    import torch.nn.functional as F
-
-    from ..packed_attention import PerSampleAttention, _mask_of, sample_spans
-
-    generator = torch.Generator().manual_seed(0)  # never moves the global RNG
-
-    def timed(run, lengths) -> float:
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        spans = sample_spans(positions, 1)
-        q = torch.randn(1, heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
-        k, v = (torch.randn(1, kv_heads, sum(lengths), head_dim, generator=generator).to(dtype).requires_grad_()
-                for _ in range(2))
-        best = float("inf")
-        for _ in range(3):  # best of three: other work on the machine only ever adds time
-            start = time.perf_counter()
-            run(q, k, v, positions, spans).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def per_sample(q, k, v, positions, spans):
-        return PerSampleAttention.apply(q, k, v, spans, head_dim ** -0.5)
-
-    def masked(q, k, v, positions, spans):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_of(positions, spans, q.shape[2]),
-                                              enable_gqa=heads != kv_heads)
-
-    short, long = [16] * (length // 16), [length]
-    many, one = timed(per_sample, short), timed(per_sample, long)
-    # many = 16·call + 16·16²·score, one = call + 256²·score
-    per_score = max((16 * one - many) / (16 * length**2 - len(short) * 16**2), 1e-15)
-    per_call = max((one - length**2 * per_score), 0.0)
-    full, small = timed(masked, long), timed(masked, [length // 4])
-    masked_score = max((full - small) / (length**2 - (length // 4) ** 2), 1e-15)
-    return AttentionCosts(per_call, per_score, max(small - (length // 4) ** 2 * masked_score, 0.0), masked_score)
 
 
 @once

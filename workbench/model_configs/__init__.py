@@ -18,7 +18,7 @@ from ..builtin import is_builtin, resolve_builtin
 from ..errors import ModelError
 
 if TYPE_CHECKING:
-    from ..recipe import Recipe
+    from ..recipe import AdapterSection, Recipe
 
 CONFIG_DIR = Path(__file__).parent
 # Instruction-tuned and base variants share the base model's shapes.
@@ -217,10 +217,23 @@ def _decoder_layers(model, count: int):
 # -- which Linears an adapter wraps ----------------------------------------------------------------
 
 
+TARGET_MODULE_PRESETS = {
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+}
+
+
+def target_modules(adapter: "AdapterSection") -> str | list[str]:
+    """What peft's target_modules gets: the recipe's list, all-linear, or a preset's module names."""
+    if isinstance(adapter.target_modules, list):
+        return adapter.target_modules
+    if adapter.target_modules == "all-linear":
+        return "all-linear"
+    return TARGET_MODULE_PRESETS[adapter.target_modules]
+
+
 def lora_targets(recipe: Recipe, info: ModelInfo) -> list:
     """The Linear modules peft wraps: all-linear is every Linear but the output head (peft's rule)."""
-    from ..models import target_modules
-
     if recipe.adapter.method == "full":
         return []
     wanted = target_modules(recipe.adapter)

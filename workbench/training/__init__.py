@@ -1,7 +1,7 @@
-"""Training: one `TrainingSession` per run (session.py), its `RunSummary` (summary.py), the loop's pieces (parts.py)
-and the checks a run makes before it takes its directory over (checks.py). `workbench.train.train` runs a session."""
+"""Training: one `TrainingSession` per run (session.py), its `RunSummary` (workbench/run_summary.py), and the loop's
+pieces (parts.py); what a resumed run checks lives in workbench/resume.py. `train` (entry.py) runs one."""
 
-from .summary import RunSummary
+from ..run_summary import RunSummary
 from .session import TrainingSession
 
 __all__ = ["RunSummary", "TrainingSession"]

@@ -11,7 +11,7 @@ import torch
 
 from ..distributed import host_transfer
 from ..errors import WorkbenchError
-from ..export import generate_text
+from ..inference import generate_text
 from ..model_card import write_model_card_or_warn
 from .. import objectives
 from ..recipe import Recipe
@@ -133,7 +133,7 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> 
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        target = run.adapter if recipe.adapter.method != "full" else run.path / "model"
+        target = run.adapter if recipe.adapter.method != "full" else run.model
         # staged and renamed into place, as checkpoints are: a kill or a full disk mid-write leaves the
         # previous adapter (or none), never a half-written one
         staging = target.with_name(f".tmp-{target.name}")

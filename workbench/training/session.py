@@ -39,17 +39,16 @@ from ..models import attach_adapter, count_parameters, load_base_model, load_con
 from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
 from ..recipe import Recipe
-from ..resume import check_resume
+from ..resume import ResumePlan
 from ..runs import RunDir, TrainResult, environment, metrics_frame
 from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
-from ..strategies import resolve as resolve_layout
+from ..layout_choice import resolve as resolve_layout
 from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
-from .checks import check_same_data, pairs_share_prompts
 from .parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat, _nonfinite_message,
                     _on_device, _only_trainable_weights, _progress, _reports_after, _rounded, _sample_generations,
                     _window_totals, _windows, _write_eval, build_optimizer, build_scheduler, ensure_trainable,
                     evaluate, save_adapter, set_peak_lr)
-from .summary import PEAK_MEMORY_MB, RunSummary
+from ..run_summary import PEAK_MEMORY_MB, RunSummary
 
 
 class TrainingSession:
@@ -69,9 +68,8 @@ class TrainingSession:
         recipe, run, s = self.recipe, self.run_dir, self.summary
         # before the precision probe times matmuls
         s.threads, s.threads_reason = configure_threads(recipe.training.threads)
-        self.changes, adjusted = {}, []
-        if self.resume and run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
-            recipe, self.changes, adjusted = check_resume(recipe, run, world_size_from_env())
+        # a resumed run: what its recipe may change (and what `auto` meant), checked before anything loads
+        recipe, self.resuming = ResumePlan.start(recipe, run, self.resume, world_size_from_env())
         # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
         recipe, precision = resolve_recipe(recipe, local_kind())
         # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
@@ -94,7 +92,7 @@ class TrainingSession:
         if accelerator.num_processes > 1:
             accelerator.print(f"layout: {self.layout.name} ({why}), {accelerator.num_processes} processes, "
                               f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
-        for line in adjusted:
+        for line in self.resuming.notes:
             accelerator.print(line)
         for warning in warnings:
             accelerator.print(f"warning: {warning}")
@@ -151,8 +149,8 @@ class TrainingSession:
         torch.manual_seed(cfg.seed)
         with accelerator.main_process_first():
             self.data = prepare_data(recipe.data, self.tokenizer, seed=cfg.seed,
-                                     share_prompts=pairs_share_prompts(recipe, self.attention, self.model_config,
-                                                                       self.run_dir, self.resume))
+                                     share_prompts=self.resuming.share_prompts(recipe, self.attention,
+                                                                               self.model_config))
         if self.data.stats.get("train_empty") and self.main:
             accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s) lost their whole answer "
                               f"to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
@@ -190,25 +188,21 @@ class TrainingSession:
         check_disk_space(recipe, self.summary.trainable_params)
         self.flop_counter = FlopCounter(model, model.config)
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
-        latest = self.run_dir.latest_checkpoint() if self.resume else None
-        self.plan = (checkpoints.plan_resume(latest[1], self.layout, self.accelerator.num_processes,
-                                             cfg.micro_batch_size, len(self.data.train), model) if latest else None)
+        self.resuming.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
+                                        len(self.data.train), model)
 
     def take_over(self) -> None:
         """Called once data and model are ready: only now is the run directory written."""
         run, recipe = self.run_dir, self.recipe
         if self.main:
             if self.resume:
-                check_same_data(run, self.data.stats)
+                self.resuming.check_data(self.data.stats)
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
             # saved as asked (`auto` stays auto: a resume on another world size chooses again)
             recipe.override(distributed__strategy=self.requested, model__attn=self.requested_attn).save(run.recipe)
-            if self.changes:
-                latest = run.latest_checkpoint()
-                history = run.read_json().get("summary", {}).get("resume_changes", [])
-                self.summary.resume_changes = [*history, {"from_step": latest[0] if latest else 0,
-                                                          "changes": self.changes}]
+            if self.resuming.changes:
+                self.summary.resume_changes = self.resuming.history()
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
         self.taken = True
@@ -228,11 +222,12 @@ class TrainingSession:
         self.objective = objectives.build(recipe, self.loss_sum_of,
                                           objectives.adapter_off_of(accelerator.unwrap_model(self.model)))
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
-        if self.plan is not None:
-            how = checkpoints.load(accelerator, self.plan, self.model, self.optimizer, self.scheduler, state,
+        checkpoint = self.resuming.checkpoint
+        if checkpoint is not None:
+            how = checkpoints.load(accelerator, checkpoint, self.model, self.optimizer, self.scheduler, state,
                                    cfg.micro_batch_size)
             self.metrics.truncate_after(state.step)
-            accelerator.print(f"resumed from {self.plan.path} at step {state.step} ({how})")
+            accelerator.print(f"resumed from {checkpoint.path} at step {state.step} ({how})")
         elif self.main:
             self.metrics.truncate_after(0)
         if accelerator.trackers == [] and recipe.output.trackers:

@@ -1,4 +1,5 @@
-"""The run's summary, as run.json's "summary" holds it: every key the loop writes is named here, once.
+"""The run's summary, as run.json's "summary" holds it: every key the loop writes is named here, once, and every
+reader (the CLI, model cards, compare tables, charts, the UI) reads it back through `RunSummary.read`.
 
 It is written three times, each write merged into what is there: when the run takes its directory over
 (`at_start`), when data and model are ready (`at_first_step`, so a watcher can show "step i / total"), and when
@@ -6,7 +7,7 @@ the run ends (`at_end`, or `at_failure`). The key order of each write is the ord
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 PEAK_MEMORY_MB = "peak_memory_mb"  # a metrics row's and the summary's measured peak, in MiB
 
@@ -97,3 +98,39 @@ class RunSummary:
     def at_failure(self) -> dict:
         return {"status": self.status, "error": self.error}
 
+    # -- reading it back ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def read(cls, record: dict | None) -> "RunSummary":
+        """run.json's summary (or a TrainResult's) as a RunSummary: each named key on its attribute; the grouped
+        figures back in their groups (the estimator's `predicted_*`, held-out `eval_*_final`, the preference
+        finals); the rest (precision, attention, data figures) in `data`. Missing keys stay None."""
+        record = record or {}
+        named = {f.name for f in fields(cls)} - GROUPS
+        summary = cls(**{key: value for key, value in record.items() if key in named})
+        summary.status = record.get("status")  # a record without one says nothing (not "running")
+        for key, value in record.items():
+            if key in named:
+                continue
+            if key.startswith("predicted_"):
+                summary.prediction[key] = value
+            elif key.endswith("_final") and key.startswith("eval_"):
+                summary.eval_final[key] = value
+            elif key.endswith("_final"):
+                summary.preference_final[key] = value
+            else:
+                summary.data[key] = value
+        return summary
+
+    @property
+    def predicted_peak_memory_mb(self) -> float | None:
+        return self.prediction.get("predicted_peak_memory_mb")
+
+
+GROUPS = {"precision", "attention", "data", "eval_final", "preference_final", "prediction"}  # flattened on write
+
+# The headline figures of a run, in the order tables show them: (RunSummary attribute, label).
+HEADLINE = [("status", "status"), ("steps", "steps"), ("strategy", "strategy"), ("world_size", "world size"),
+            ("tokens_per_s", "tokens/s"), ("peak_memory_mb", "peak memory (MB)"),
+            ("predicted_peak_memory_mb", "predicted peak (MB)"), ("mfu", "MFU"), ("wall_s", "wall (s)"),
+            ("final_loss", "final loss"), ("eval_loss_first", "eval loss before"), ("eval_loss_final", "eval loss after")]

@@ -1,21 +1,16 @@
-"""The training entry point: `train(recipe)` runs one `TrainingSession` (workbench/training/) in this process."""
+"""The training entry point: `train(recipe)` runs one `TrainingSession` in this process."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from . import heap
-from .errors import RecipeError, WorkbenchError
-from .quiet import leaves_the_process_as_found, quiet_libraries
-from .recipe import Recipe
-from .runs import TrainResult
-from .training.checks import check_same_data, pairs_share_prompts  # noqa: F401  (imported from here)
-from .training.parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _flat,  # noqa: F401
-                             adamw_kernel, build_optimizer, build_scheduler, ensure_trainable, evaluate,
-                             save_adapter, set_peak_lr)
-from .training.session import TrainingSession
-from .training.summary import RunSummary  # noqa: F401
+from .. import heap
+from ..errors import RecipeError, WorkbenchError
+from ..quiet import leaves_the_process_as_found, quiet_libraries
+from ..recipe import Recipe
+from ..runs import TrainResult
+from .session import TrainingSession
 
 
 @leaves_the_process_as_found

@@ -1,0 +1,47 @@
+"""The run's summary is written and read through one type (workbench/run_summary.py): what a run writes into run.json
+reads back by attribute, its grouped figures in their groups."""
+
+from workbench.run_summary import HEADLINE, RunSummary
+from workbench.runs import summary_html
+
+
+def finished() -> RunSummary:
+    s = RunSummary(status="completed", strategy="ddp", world_size=2, total_steps=4, params=1000, trainable_params=10)
+    s.precision = {"model_dtype": "float32", "mixed_precision": "no"}
+    s.data = {"train_examples": 12, "train_sha256": "ab" * 32}
+    s.steps, s.tokens, s.wall_s, s.tokens_per_s, s.peak_memory_mb, s.mfu = 4, 800, 2.5, 320.0, 611.5, 0.0012
+    s.final_loss, s.eval_loss_first, s.eval_loss_final = 2.25, 3.0, 2.5
+    s.eval_final = {"eval_reward_margin_final": 0.5}
+    s.preference_final = {"reward_accuracy_final": 0.75}
+    s.prediction = {"predicted_peak_memory_mb": 640.0, "predicted_strategy": "ddp"}
+    return s
+
+
+def test_what_a_run_writes_reads_back_by_attribute():
+    written = finished()
+    record = {**written.at_start(), **written.at_first_step(), **written.at_end()}
+    s = RunSummary.read(record)
+    assert (s.status, s.strategy, s.world_size, s.steps, s.tokens) == ("completed", "ddp", 2, 4, 800)
+    assert (s.peak_memory_mb, s.tokens_per_s, s.mfu, s.final_loss) == (611.5, 320.0, 0.0012, 2.25)
+    assert s.predicted_peak_memory_mb == 640.0 and s.prediction["predicted_strategy"] == "ddp"
+    assert s.eval_final == {"eval_reward_margin_final": 0.5}
+    assert s.preference_final == {"reward_accuracy_final": 0.75}
+    assert s.data["train_sha256"] == "ab" * 32 and s.data["model_dtype"] == "float32"
+    assert {**s.at_start(), **s.at_first_step(), **s.at_end()} == record  # read and written again: the same
+
+
+def test_a_partial_record_reads_as_missing_figures():
+    s = RunSummary.read({"summary_of": "another tool"} | {"steps": 3})
+    assert s.status is None and s.steps == 3 and s.peak_memory_mb is None and s.predicted_peak_memory_mb is None
+    assert RunSummary.read(None).status is None
+
+
+def test_every_headline_figure_is_a_summary_attribute_and_shows_in_the_notebook_table():
+    s = finished()
+    for name, _ in HEADLINE:
+        assert hasattr(s, name), name
+    record = {**s.at_start(), **s.at_first_step(), **s.at_end()}
+    table = summary_html("tiny", record)
+    for _, label in HEADLINE:
+        assert f">{label}<" in table, label
+    assert ">640<" in table.replace("640.0", "640")  # the estimator's prediction, from its group
