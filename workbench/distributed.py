@@ -49,7 +49,7 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     """The Accelerator that runs `layout`, with collectives that give up after distributed.timeout_s."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     # Accelerate keeps its state in process-wide singletons; a notebook that trains twice with
     # different precisions needs a fresh one (the process group in PartialState is kept).
@@ -65,24 +65,43 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     # The processes first wait for each other (and for rank 0's data preparation) up to startup_timeout_s;
     # the loop then tightens the limit to timeout_s (see collective_timeout).
     startup = timedelta(seconds=recipe.distributed.startup_timeout_s)
-    if layout.strategy == "single":
-        return Accelerator(**common)
-    if layout.strategy == "ddp":
-        return Accelerator(cpu=not on_gpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=startup)], **common)
-    if layout.strategy == "deepspeed":
-        from accelerate.utils import DeepSpeedPlugin
+    build = _ENGINES.get(layout.strategy)
+    if build is None:
+        raise RecipeError(f"distributed.strategy: unknown strategy {layout.strategy}")
+    return Accelerator(**common, **build(recipe, startup, on_gpu))
 
-        # On a CPU, DeepSpeed needs gloo named explicitly and must NOT get cpu=True (it would
-        # silently become plain DDP).
-        handlers = [InitProcessGroupKwargs(timeout=startup, **({} if on_gpu else {"backend": "gloo"}))]
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe))
-        return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers, **common)
-    if layout.strategy == "fsdp":
-        if not on_gpu:
-            _fsdp_on_cpu(startup)
-        return Accelerator(fsdp_plugin=fsdp_plugin(recipe), parallelism_config=hybrid_shard_config(recipe),
-                           kwargs_handlers=[InitProcessGroupKwargs(timeout=startup)], **common)
-    raise RecipeError(f"distributed.strategy: unknown strategy {layout.strategy}")
+
+# -- each strategy's Accelerator arguments: one builder per strategy word (strategies.py holds the layouts) ------
+
+
+def _single(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
+    return {}
+
+
+def _ddp(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return {"cpu": not on_gpu, "kwargs_handlers": [InitProcessGroupKwargs(timeout=startup)]}
+
+
+def _deepspeed(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    # On a CPU, DeepSpeed needs gloo named explicitly and must NOT get cpu=True (it would silently become plain DDP).
+    handlers = [InitProcessGroupKwargs(timeout=startup, **({} if on_gpu else {"backend": "gloo"}))]
+    return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe)), "kwargs_handlers": handlers}
+
+
+def _fsdp(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if not on_gpu:
+        _fsdp_on_cpu(startup)
+    return {"fsdp_plugin": fsdp_plugin(recipe), "parallelism_config": hybrid_shard_config(recipe),
+            "kwargs_handlers": [InitProcessGroupKwargs(timeout=startup)]}
+
+
+_ENGINES = {"single": _single, "ddp": _ddp, "deepspeed": _deepspeed, "fsdp": _fsdp}
 
 
 def host_transfer(device_type: str) -> dict:

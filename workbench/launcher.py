@@ -24,6 +24,7 @@ import torch
 from .errors import RecipeError, WorkbenchError
 from .hardware.current import local_kind
 from .precision import resolve as resolve_precision
+from .strategies import FSDP, ZERO2
 
 
 @dataclass
@@ -150,10 +151,9 @@ def check_launcher_agrees(strategy: str) -> None:
     """An accelerate config (or flags) asking for another strategy than the recipe is an error."""
     if "LOCAL_RANK" not in os.environ:
         return
-    wants = {"fsdp": os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
-             "deepspeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"}
-    for name, asked in wants.items():
-        if asked and strategy != name:
+    for layout in (FSDP, ZERO2):  # one layout of each strategy an accelerate config can ask for
+        name = layout.strategy
+        if os.environ.get(layout.launch_flag, "").lower() == "true" and strategy != name:
             raise RecipeError(
                 f"distributed.strategy: the recipe runs {strategy}, but the accelerate launch configuration "
                 f"asks for {name}; remove {name} from the accelerate config (the recipe decides the strategy)"

@@ -469,10 +469,9 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     local = world_size // nodes
     group = local if layout.hybrid else world_size  # hybrid shards within a node only
     part = {k: t[k] for k in PARTS}
-    if layout.strategy == "deepspeed":
-        part["optimizer"] += t["master_weights"]  # DeepSpeed keeps fp32 master weights of 16-bit params
-    if layout.strategy == "ddp":
-        part["gradients"] *= 2  # DDP's communication buckets hold a second copy of the gradients
+    if layout.keeps_master_weights:
+        part["optimizer"] += t["master_weights"]
+    part["gradients"] *= layout.gradient_copies
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]

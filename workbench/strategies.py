@@ -65,6 +65,23 @@ class Layout:
         return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
                           "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"}}[self.strategy])
 
+    @property
+    def launch_flag(self) -> str | None:
+        """The environment variable an accelerate config sets to ask for this strategy (workbench/launcher.py)."""
+        return {"fsdp": "ACCELERATE_USE_FSDP", "deepspeed": "ACCELERATE_USE_DEEPSPEED"}.get(self.strategy)
+
+    # -- memory (workbench/memory.py) ------------------------------------------------------------------
+
+    @property
+    def gradient_copies(self) -> int:
+        """Copies of the gradients a process holds: DDP's communication buckets keep a second one."""
+        return 2 if self.strategy == "ddp" else 1
+
+    @property
+    def keeps_master_weights(self) -> bool:
+        """Whether the optimizer side holds fp32 master copies of 16-bit trainable weights (DeepSpeed does)."""
+        return self.strategy == "deepspeed"
+
     # -- checkpoints (workbench/checkpoints.py) --------------------------------------------------------
 
     @property
