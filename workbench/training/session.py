@@ -40,7 +40,7 @@ from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
 from ..recipe import Recipe
 from ..resume import check_resume
-from ..runs import RunDir, TrainResult, environment, metrics_frame
+from ..runs import RunDir, TrainResult, environment, metrics_frame, process_owner
 from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from ..strategies import resolve as resolve_layout
 from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
@@ -52,6 +52,18 @@ from .parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksum
 from .summary import PEAK_MEMORY_MB, RunSummary
 
 
+def agree_on_resume(accelerator, resume: bool, run_path) -> None:
+    """Every rank of a `--resume auto` run decided alone from the files it sees: they must agree (a run directory
+    not on storage every machine shares would have one rank resume and another start afresh)."""
+    if accelerator.num_processes == 1:
+        return
+    votes = accelerator.gather(torch.tensor([int(resume)], device=accelerator.device))
+    if int(votes.min()) != int(votes.max()):
+        raise WorkbenchError(f"--resume auto: ranks disagree whether {run_path} holds a checkpoint (ranks "
+                             f"{[i for i, v in enumerate(votes.tolist()) if v]} see one): output.dir must be on "
+                             "storage that every machine shares")
+
+
 class TrainingSession:
     """One run of a recipe in this process (one of N when launched with `accelerate launch`); its state lives here."""
 
@@ -61,6 +73,7 @@ class TrainingSession:
         self.run_dir = RunDir(recipe.run_dir)
         self.summary = RunSummary()
         self.taken = False  # whether the run directory is this run's (a failure is recorded there only then)
+        self.auto_resume = False  # --resume auto decided `resume` (the same command continues the run)
 
     # -- setup: seconds, before any weights load ----------------------------------------------------------------
 
@@ -88,6 +101,8 @@ class TrainingSession:
         check_launcher_agrees(self.layout.strategy)
         self.accelerator = accelerator = build_accelerator(recipe, str(run.path), self.layout)
         verify_launch(accelerator, self.layout)
+        if self.auto_resume:
+            agree_on_resume(accelerator, self.resume, run.path)
         self.recipe, self.cfg, self.main = recipe, recipe.training, accelerator.is_main_process
         s.strategy, s.strategy_reason, s.layout = self.layout.strategy, why, self.layout.to_json()
         s.precision, s.attention, s.warnings = precision.to_json(), self.attention.to_json(), warnings
@@ -209,6 +224,7 @@ class TrainingSession:
                 history = run.read_json().get("summary", {}).get("resume_changes", [])
                 self.summary.resume_changes = [*history, {"from_step": latest[0] if latest else 0,
                                                           "changes": self.changes}]
+            self.summary.owner = process_owner()
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
         self.taken = True
@@ -420,8 +436,9 @@ class TrainingSession:
         if signum:
             self.bar.close()
             raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
-                              f"{self.run_dir.checkpoint(state.step).name} saved: run the same command with --resume "
-                              "to continue", signum)
+                              f"{self.run_dir.checkpoint(state.step).name} saved: "
+                              + ("run the same command to continue" if self.auto_resume else
+                                 "run the same command with --resume to continue"), signum)
 
     # -- the end: final eval, adapter, summary ------------------------------------------------------------------
 
