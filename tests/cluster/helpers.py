@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 RECIPE = "recipes/tiny.yaml"
-STEPS = 8
+STEPS = 16  # enough that a signal sent at step 3 lands mid-run, even on a busy machine
 # fp32, one thread, no dropout randomness left to chance, a loss every step: runs are comparable bitwise (one
 # process) or to 1e-6 (two)
 COMMON = [f"training.max_steps={STEPS}", "training.grad_accum=1", "training.micro_batch_size=2",

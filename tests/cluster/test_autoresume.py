@@ -23,9 +23,13 @@ def train_command(run_dir, *extra):
             *extra]
 
 
+LAUNCH_STEPS = 8
+
+
 def launch_command(run_dir, *extra):
     return [sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", "2", "--master",
-            f"127.0.0.1:{free_port()}", f"output.dir={run_dir}", *COMMON, "distributed.strategy=ddp", *extra]
+            f"127.0.0.1:{free_port()}", f"output.dir={run_dir}", *COMMON, f"training.max_steps={LAUNCH_STEPS}",
+            "distributed.strategy=ddp", *extra]
 
 
 def test_resume_auto_starts_continues_after_sigusr1_and_then_has_nothing_to_do(tmp_path, reference):
@@ -70,10 +74,11 @@ def test_recipe_resume_auto_replaces_a_start_that_died_before_its_first_checkpoi
     assert again.summary["wall_s"] == result.summary["wall_s"]
 
 
-def test_sigusr1_to_the_whole_job_checkpoints_every_rank_and_resume_auto_continues(tmp_path):
+def test_sigusr1_to_the_whole_job_checkpoints_every_rank(tmp_path):
+    """torchrun dies of SIGUSR1; started by `workbench launch` it survives, and both ranks stop at one step.
+    (Two processes resuming exactly: tests/test_crash.py; `--resume auto` on two ranks: test_kubernetes.py.)"""
     run_dir = tmp_path / "preempted"
-    command = launch_command(run_dir, "output.save_every=null", "--resume", "auto")
-    process = start(command)
+    process = start(launch_command(run_dir, "output.save_every=null", "--resume", "auto"))
     wait_for(lambda: logged_step(run_dir) >= 3, process, what="step 3")
     os.killpg(process.pid, signal.SIGUSR1)  # launcher, torchrun and ranks alike, as SLURM signals a job step
     code, out = finish(process)
@@ -82,16 +87,10 @@ def test_sigusr1_to_the_whole_job_checkpoints_every_rank_and_resume_auto_continu
     run = RunDir(run_dir)
     assert summary(run_dir)["status"] == "interrupted"
     assert load_run(run_dir).summary["status"] == "interrupted"
-    stopped_at = run.latest_checkpoint()[0]
-    assert 3 <= stopped_at < STEPS
-
-    # (exactness across two processes after a stop: tests/test_crash.py; here, that the same command continues)
-    code, out = finish(start(command))  # the same command, port included
-    assert code == 0, out
-    assert f"resumed from {run.checkpoint(stopped_at)}" in out
-    s = summary(run_dir)
-    assert s["status"] == "completed" and s["world_size"] == 2 and s["steps"] == STEPS
-    assert [step for step, _ in losses(run_dir)] == list(range(1, STEPS + 1))
+    step = run.latest_checkpoint()[0]
+    assert 3 <= step < LAUNCH_STEPS
+    meta = json.loads((run.checkpoint(step) / "workbench_checkpoint.json").read_text())
+    assert meta["world_size"] == 2
 
 
 def test_a_configured_stop_signal_sent_to_the_launcher_alone_reaches_the_run(tmp_path):
