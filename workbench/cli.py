@@ -45,7 +45,7 @@ def _main(argv: list[str] | None) -> int:
 
     quiet_libraries()
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_resume_auto(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "command", None) == "chat":  # the chat command parses its own arguments, --help included
         args.rest, extra = [*extra, *args.rest], []
     # argparse cannot mix positionals after options: collect key=value overrides wherever they stand
@@ -70,6 +70,19 @@ def _main(argv: list[str] | None) -> int:
         return 130
 
 
+def _resume_auto(argv: list[str]) -> list[str]:
+    """`--resume auto` (or --resume=auto) as one flag: a plain `--resume` must not take the recipe after it."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--resume" and i + 1 < len(argv) and argv[i + 1] == "auto":
+            out.append("--resume-auto")
+            i += 2
+            continue
+        out.append("--resume-auto" if argv[i] == "--resume=auto" else argv[i])
+        i += 1
+    return out
+
+
 def _rank_prefix() -> str:
     """Under a multi-process launch every rank reports its own failure, and says which rank it is."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -90,19 +103,50 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=handler)
         return cmd
 
+    def run_flags(cmd) -> None:
+        cmd.add_argument("--resume", action="store_true",
+                         help="continue from the last complete checkpoint; `--resume auto`: continue where the run "
+                              "directory has a checkpoint, start afresh where it has none (a requeued or restarted "
+                              "job runs the same command every time)")
+        cmd.add_argument("--resume-auto", action="store_true", help=argparse.SUPPRESS)
+        cmd.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+        cmd.add_argument("--stop-signal", default=None, metavar="SIGNAL",
+                         help="one more signal that checkpoints and stops the run at the next step (SIGINT, SIGTERM "
+                              "and SIGUSR1 always do), e.g. USR2")
+        cmd.add_argument("--requeue", action="store_true",
+                         help="SLURM: after a checkpoint taken for SIGUSR1 (the time-limit warning) or --stop-signal, "
+                              "requeue this job (scontrol requeue $SLURM_JOB_ID); use with --resume auto")
+
     train = recipe_command("train", "train a recipe (no recipe: the quickstart)", _train, optional=True)
-    train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    run_flags(train)
     train.add_argument("--no-progress", action="store_true", help="a plain line per logged step instead of a bar")
 
-    launch = recipe_command("launch", "run a recipe on N processes / M machines through accelerate launch", _launch)
-    launch.add_argument("--nproc", type=int, default=1, help="processes on this machine")
-    launch.add_argument("--nnodes", type=int, default=1, help="machines")
-    launch.add_argument("--node-rank", type=int, default=0, help="this machine's rank")
-    launch.add_argument("--master", default="127.0.0.1:29500", help="IP:PORT of the rank-0 machine")
+    launch = recipe_command("launch", "run a recipe on N processes / M machines through accelerate launch "
+                                      "(defaults from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, "
+                                      "MASTER_ADDR/MASTER_PORT where a pod sets them)", _launch)
+    launch.add_argument("--nproc", type=int, default=None, help="processes on this machine (default 1)")
+    launch.add_argument("--nnodes", type=int, default=None, help="machines (default 1)")
+    launch.add_argument("--node-rank", type=int, default=None, help="this machine's rank (default 0)")
+    launch.add_argument("--master", default=None, help="IP:PORT of the rank-0 machine (default 127.0.0.1:29500)")
     launch.add_argument("--dry-run", action="store_true", help="print the command and stop")
-    launch.add_argument("--resume", action="store_true")
-    launch.add_argument("--overwrite", action="store_true")
+    run_flags(launch)
+
+    slurm = recipe_command("slurm", "write (and with --submit, submit) an sbatch script that runs the recipe on "
+                                    "SLURM, requeued and resumed by itself", _slurm)
+    slurm.add_argument("--nodes", type=int, default=1, help="machines")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per machine (0: a CPU job)")
+    slurm.add_argument("--nproc-per-node", type=int, default=None,
+                       help="processes per machine (default: --gpus-per-node, or 1)")
+    slurm.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each machine's launcher and ranks")
+    slurm.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--account", default=None)
+    slurm.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
+                       help="SIGUSR1 this long before the time limit: checkpoint and requeue (0: none)")
+    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="FLAG",
+                       help="one more #SBATCH line, e.g. --sbatch-arg=--qos=high (repeatable)")
+    slurm.add_argument("--script", default=None, help="where to write it (default: beside the run directory)")
+    slurm.add_argument("--submit", action="store_true", help="also sbatch it")
 
     validate = recipe_command("validate", "check a recipe and exit", _validate)
     validate.add_argument("--preflight", action="store_true",
@@ -202,12 +246,39 @@ def _train(args) -> int:
     from .training.entry import train
 
     return_large_blocks()  # this process trains: freed per-step tensors go back to the system (workbench/heap.py)
+    _stop_flags(args)
     recipe = _load_recipe(args)
-    result = train(recipe, resume=args.resume, overwrite=args.overwrite, progress_bar="lines" if args.no_progress else True)
+    try:
+        result = train(recipe, resume=_resume_of(args), overwrite=args.overwrite,
+                       progress_bar="lines" if args.no_progress else True)
+    except Interrupted as err:
+        from .cluster.slurm import requeue_self, requeue_wanted_for
+
+        if args.requeue and requeue_wanted_for(err.exit_code - 128) and os.environ.get("RANK", "0") == "0":
+            print(f"{_rank_prefix()}{err}", file=sys.stderr, flush=True)  # the checkpoint first, then the requeue
+            print(requeue_self(), file=sys.stderr, flush=True)
+            return err.exit_code
+        raise
     if os.environ.get("RANK", "0") == "0":  # one summary per run, not one per process
         _print_summary(result.run_dir, result.summary)
     _leave_process_group()
     return 0
+
+
+def _resume_of(args) -> bool | str:
+    return "auto" if args.resume_auto else args.resume
+
+
+def _stop_flags(args) -> None:
+    """--stop-signal and --requeue, checked before anything loads; the signal reaches launched ranks by the env."""
+    from .stopping import STOP_SIGNAL_ENV, parse_signal
+
+    if args.stop_signal is not None:
+        os.environ[STOP_SIGNAL_ENV] = signal.Signals(parse_signal(args.stop_signal)).name
+    if args.requeue:
+        from .cluster.slurm import check_requeue_possible
+
+        check_requeue_possible()
 
 
 def _leave_process_group() -> None:
@@ -242,15 +313,45 @@ def _print_summary(run_dir: Path, record: dict) -> None:
 def _launch(args) -> int:
     from .launcher import plan_launch, run_launch
 
+    from .cluster.env import launch_defaults
+
     if args.recipe is None:
         raise WorkbenchError("launch needs a recipe file")
-    train_args = ["--no-progress"] + (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
-    plan = plan_launch(args.recipe, args.overrides, nproc=args.nproc, nnodes=args.nnodes,
-                       node_rank=args.node_rank, master=args.master, train_args=train_args)
+    _stop_flags(args)
+    resume = _resume_of(args)
+    train_args = (["--no-progress"] + (["--resume=auto"] if resume == "auto" else ["--resume"] if resume else [])
+                  + (["--overwrite"] if args.overwrite else []) + (["--requeue"] if args.requeue else []))
+    pod = launch_defaults()  # a Kubernetes pod's PET_* and MASTER_* variables; flags win
+    plan = plan_launch(args.recipe, args.overrides, nproc=_given(args.nproc, pod.nproc),
+                       nnodes=_given(args.nnodes, pod.nnodes), node_rank=_given(args.node_rank, pod.node_rank),
+                       master=_given(args.master, pod.master), train_args=train_args)
+    if pod.source:
+        print(f"# defaults from {pod.source}", flush=True)
     print(plan.shell(), flush=True)
     if args.dry_run:
         return 0
     return run_launch(plan)
+
+
+def _given(flag, default):
+    return default if flag is None else flag
+
+
+def _slurm(args) -> int:
+    from .cluster.slurm import submit, write_sbatch
+
+    if args.recipe is None:
+        raise WorkbenchError("slurm needs a recipe file")
+    plan = write_sbatch(args.recipe, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                        nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+                        partition=args.partition, account=args.account, signal_before_s=args.signal_before,
+                        script=args.script, extra=args.sbatch_arg)
+    print(f"sbatch script: {plan.path}\nlog: {plan.log}")
+    if args.submit:
+        print(f"submitted SLURM job {submit(plan.path)}")
+    else:
+        print(f"submit with: sbatch {plan.path}")
+    return 0
 
 
 def _validate(args) -> int:

@@ -259,16 +259,18 @@ def local_parameter_elements(model) -> int:
 
 def configure_threads(requested: int | None) -> tuple[int, str]:
     """CPU threads per process, and why: the recipe's number, else OMP_NUM_THREADS (what torch and every
-    HPC launcher honour), else this process's share of the cores."""
+    HPC launcher honour), else this process's share of the cores it may use (affinity and CPU quota)."""
     if requested is not None:
         why = "training.threads"
     elif os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         requested, why = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        from .hardware.current import available_cpus
+
+        cores, where = available_cpus()  # the cgroup's quota where a container has one
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         requested = max(1, cores // local)
-        why = f"{cores} cores / {local} local process{'es' if local > 1 else ''}"
+        why = f"{where} / {local} local process{'es' if local > 1 else ''}"
     torch.set_num_threads(requested)
     return requested, why
 

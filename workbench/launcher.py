@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from .errors import RecipeError, WorkbenchError
-from .hardware.current import local_kind
+from .hardware.current import available_cpus, local_kind
 from .precision import resolve as resolve_precision
+from .stopping import warning_signals
 from .strategies import FSDP, ZERO2
 
 
@@ -72,8 +73,8 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
         command += ["--rdzv_backend", "static", "--same_network",
                     "--rdzv_conf", f"timeout={math.ceil(recipe.distributed.startup_timeout_s)}"]
     env = {"NUM_NODES": str(nnodes)}
-    if not torch.cuda.is_available():
-        env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, (os.cpu_count() or 1) // nproc))
+    if not torch.cuda.is_available():  # the CPUs this machine (or pod: its CPU quota) really gives
+        env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, available_cpus()[0] // nproc))
     return LaunchPlan(command + train, env, recipe.run_dir, nproc, nnodes, master,
                       recipe.distributed.startup_timeout_s)
 
@@ -85,7 +86,7 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     ranks to checkpoint and exit. A SIGTERM sent to this process alone (a scheduler, `kill PID`) is
     passed on to the launcher, which passes it on to the ranks.
     """
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else available_cpus()[0]
     if plan.nproc > devices:  # a plan (--dry-run) may be for another machine; running it here may not
         what = "GPUs" if torch.cuda.is_available() else "CPU cores"
         raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
@@ -93,11 +94,17 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     env = {**os.environ, **plan.env}
     started = time.time()
     # stderr passes through a reader that also watches for the launcher's rendezvous failures
-    process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    warnings = warning_signals()
+    # torchrun dies of SIGUSR1 (and of a configured stop signal) by default, taking no checkpoint: the launcher
+    # starts with them ignored (its ranks install their own handlers), and this process passes them on
+    process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                               preexec_fn=lambda: [signal.signal(s, signal.SIG_IGN) for s in warnings])
     watcher = _RendezvousWatcher(process.stderr)
-    forward = lambda signum, frame: process.send_signal(signum)  # noqa: E731
-    previous = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() \
-        else None
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
+        for signum in warnings:
+            previous[signum] = signal.signal(signum, lambda signum, frame: _to_ranks(process.pid, signum))
     try:
         while True:
             try:
@@ -109,8 +116,8 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
         process.kill()
         raise WorkbenchError(f"the launch did not finish within {timeout} s") from None
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         watcher.join()
     if code and watcher.failed and plan.nnodes > 1 and not _training_started(plan, started):
         raise WorkbenchError(
@@ -118,6 +125,23 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
             f"{plan.startup_timeout_s:g} s at --master {plan.master} ({watcher.failed}); start the same "
             "`workbench launch` with every --node-rank, and give each the address of machine rank 0")
     return code
+
+
+def _to_ranks(launcher_pid: int, signum: int) -> None:
+    """A warning signal sent to this process alone reaches the ranks (torchrun passes on only SIGINT/SIGTERM);
+    one sent to the whole job reaches them twice, which the ranks' handlers take as once."""
+    import psutil
+
+    try:
+        launcher = psutil.Process(launcher_pid)
+        ranks = [launcher, *launcher.children(recursive=True)]  # the launcher ignores it; one process is the rank
+    except psutil.Error:
+        return
+    for rank in ranks:
+        try:
+            rank.send_signal(signum)
+        except psutil.Error:
+            pass
 
 
 def _training_started(plan: LaunchPlan, since: float) -> bool:

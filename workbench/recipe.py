@@ -144,6 +144,10 @@ class TrainingSection(Section):
     orpo_lambda: float = Field(0.1, gt=0, description="ORPO's lambda: the weight of the odds-ratio term beside "
                                                       "the chosen answer's next-token loss.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
+    resume: Literal[False, "auto"] = Field(
+        False, description="auto: a start with no checkpoint in the run directory trains from scratch, one with a "
+                           "checkpoint resumes it exactly (what a requeued or restarted cluster job needs: the "
+                           "same command every time); false: --resume and --overwrite decide.")
     threads: int | None = Field(None, gt=0, description="CPU threads per process (null: OMP_NUM_THREADS when set, "
                                                           "else cores / local processes).")
 

@@ -40,6 +40,7 @@ SAFE_TO_CHANGE = (
     "output.sample_prompts", "output.sample_max_new_tokens", "training.threads", "training.on_nonfinite",
     "training.fast_paths", "training.gradient_checkpointing", "training.activation_offloading",
     "training.compile", "model.attn",  # kernels and compilation: the same computation, faster
+    "training.resume",  # how a restarted job continues, not what it trains
     "training.lr",  # the way out of a divergence: the schedule continues, scaled to the new peak
     "name", "output.dir",  # where the run is: found already, by this very recipe
     "distributed.",  # the strategy of the processes that continue it (checked when the state loads)
@@ -276,3 +277,35 @@ def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- --resume auto ------------------------------------------------------------------------------
+
+AUTO_RESUME = "auto"
+
+
+def auto_resume(run: RunDir) -> str:
+    """What `--resume auto` does with this run directory, the same answer on every rank (nothing is written
+    before they all decide): "resume" (a complete checkpoint of an unfinished run), "done" (the run completed:
+    a requeued or restarted job has nothing left to do), "replace" (an earlier start died before its first
+    checkpoint: its files are replaced, as by --overwrite) or "new" (nothing there yet)."""
+    summary = run.read_json().get("summary", {})
+    if summary.get("status") == "completed":
+        return "done"
+    if run.latest_checkpoint() is not None:
+        return "resume"
+    return "replace" if run.run_json.exists() else "new"
+
+
+def agree_on_resume(accelerator, resume: bool, run_path) -> None:
+    """Every rank of a `--resume auto` run decided alone from the files it sees: they must agree (a run directory
+    not on storage every machine shares would have one rank resume and another start afresh)."""
+    if accelerator.num_processes == 1:
+        return
+    import torch
+
+    votes = accelerator.gather(torch.tensor([int(resume)], device=accelerator.device))
+    if int(votes.min()) != int(votes.max()):
+        raise WorkbenchError(f"--resume auto: ranks disagree whether {run_path} holds a checkpoint (ranks "
+                             f"{[i for i, v in enumerate(votes.tolist()) if v]} see one): output.dir must be on "
+                             "storage that every machine shares")

@@ -27,6 +27,7 @@ class RunSummary:
     threads_reason: str | None = None
     warnings: list = field(default_factory=list)
     resume_changes: list | None = None  # every resume that changed the recipe, oldest first
+    owner: dict | None = None  # {host, pid, started}: the process writing the run (runs.owner_gone reads it)
 
     # -- once data and model are ready --------------------------------------------------------------------------
     world_size: int | None = None
@@ -68,6 +69,8 @@ class RunSummary:
         start = {"status": self.status, "strategy": self.strategy, "strategy_reason": self.strategy_reason,
                  "layout": self.layout, **self.precision, **self.attention,
                  "threads": self.threads, "threads_reason": self.threads_reason, "warnings": self.warnings}
+        if self.owner is not None:
+            start["owner"] = self.owner
         if self.resume_changes is not None:
             start["resume_changes"] = self.resume_changes
         return start

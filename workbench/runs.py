@@ -287,6 +287,38 @@ def in_use(path: str | Path) -> bool:
     return False
 
 
+def process_owner() -> dict:
+    """This process as run.json records its writer: host, pid and the pid's start time (a pid is reused)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_started(os.getpid())}
+
+
+def _process_started(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return round(psutil.Process(pid).create_time(), 2)
+    except Exception:  # noqa: BLE001  gone, or no psutil: the pid alone decides
+        return None
+
+
+def owner_gone(summary: dict) -> bool:
+    """Whether the process a run.json names as its writer is gone: only decidable on the writer's own host
+    (elsewhere the run directory's lock tells, where the storage shares locks)."""
+    owner = summary.get("owner")
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False
+    started = _process_started(owner["pid"])
+    if started is None:
+        try:
+            os.kill(owner["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    return owner.get("started") is not None and abs(started - owner["started"]) > 1.0  # the pid is another's now
+
+
 def environment(accelerator) -> dict:
     import accelerate
     import datasets
@@ -426,7 +458,7 @@ def load_run(path: str | Path) -> Run:
     if not isinstance(data, dict) or not isinstance(recipe, dict):
         raise WorkbenchError(f"{run_dir.path}: unreadable run files (run.json or recipe.yaml is not a mapping)")
     summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
-    if summary.get("status") == "running" and not in_use(run_dir.path):
+    if summary.get("status") == "running" and (owner_gone(summary) or not in_use(run_dir.path)):
         summary = {**summary, "status": "died"}  # its process is gone without a word (kill -9, power loss)
     env, evaluation = data.get("env"), data.get("evaluation")
     return Run(run_dir.path, recipe, summary, env if isinstance(env, dict) else {}, read_metrics(run_dir.metrics),

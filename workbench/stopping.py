@@ -1,7 +1,8 @@
-"""Stopping cleanly: SIGINT/SIGTERM become a request the loop honours between steps.
+"""Stopping cleanly: SIGINT/SIGTERM/SIGUSR1 become a request the loop honours between steps.
 
-A scheduler that preempts a job sends SIGTERM (and SIGKILL a little later); Ctrl-C sends SIGINT to every
-rank. The handler only records the signal, so a step or a checkpoint write in progress always finishes;
+A scheduler that preempts a job sends SIGTERM (and SIGKILL a little later); a cluster that warns before a time
+limit sends SIGUSR1 (SLURM's `--signal=USR1@SECONDS`); Ctrl-C sends SIGINT to every rank. One more signal can be
+named (`--stop-signal`, WORKBENCH_STOP_SIGNAL). The handler only records the signal, so a step or a checkpoint write in progress always finishes;
 the loop then saves a checkpoint and raises `Interrupted` (exit code 130 or 143). A second Ctrl-C stops at
 once; repeated SIGTERMs (torchrun forwards the one it got to ranks that had it already) are ignored.
 A launcher gives its ranks a grace period before SIGKILL (torchrun and SLURM: 30 s by default): the
@@ -12,6 +13,7 @@ makes a signal end the wait at once: there is no step boundary to wait for.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -20,9 +22,40 @@ from datetime import timedelta
 
 import torch
 
-from .errors import Interrupted
+from .errors import Interrupted, RecipeError
 
 FORWARDED_WITHIN_S = 1.0
+# What stops a run at the next step boundary, with a checkpoint: the one list every part reads (the loop's
+# handlers, the launcher that must survive and pass them on, the CLI's exit codes).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNAL_ENV = "WORKBENCH_STOP_SIGNAL"  # one more, by name (USR2, SIGURG, ...): launched ranks inherit it
+NEVER_STOP_SIGNALS = ("SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
+
+
+def parse_signal(text: str, what: str = "--stop-signal") -> int:
+    """A signal's number from its name (USR2, SIGUSR2) or number; RecipeError naming `what` otherwise."""
+    name = str(text).strip().upper()
+    try:
+        found = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG")
+                                                                                 else "SIG" + name]
+    except (KeyError, ValueError):
+        raise RecipeError(f"{what}: {text!r} is not a signal name (e.g. USR1, USR2, TERM)") from None
+    if found.name in NEVER_STOP_SIGNALS:
+        raise RecipeError(f"{what}: {found.name} cannot be caught to stop a run cleanly; choose e.g. USR1 or USR2")
+    return int(found)
+
+
+def stop_signals() -> tuple[int, ...]:
+    """STOP_SIGNALS and the one named in WORKBENCH_STOP_SIGNAL."""
+    named = os.environ.get(STOP_SIGNAL_ENV, "").strip()
+    extra = parse_signal(named, STOP_SIGNAL_ENV) if named else None
+    return STOP_SIGNALS + ((extra,) if extra and extra not in STOP_SIGNALS else ())
+
+
+def warning_signals() -> tuple[int, ...]:
+    """The stop signals a launcher must survive and pass on to its ranks itself: it dies of them by default
+    (torchrun handles SIGINT and SIGTERM on its own)."""
+    return tuple(s for s in stop_signals() if s not in (signal.SIGINT, signal.SIGTERM))
 
 
 class StopNow(BaseException):
@@ -42,9 +75,10 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in stop_signals():
                 self._previous[signum] = signal.signal(signum, self._record)
-            StopRequest.active = self
+        # in a thread (Ray Train runs the loop in one) nothing is installed: `request` stops it instead
+        StopRequest.active = self
         return self
 
     def __exit__(self, *exc) -> None:
@@ -53,6 +87,11 @@ class StopRequest:
         self._previous.clear()
         if StopRequest.active is self:
             StopRequest.active = None
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the loop to stop at the next step boundary, as the signal would: from any thread."""
+        if self.signum is None:
+            self.signum, self._since = signum, time.monotonic()
 
     def _record(self, signum: int, frame) -> None:
         now = time.monotonic()

@@ -77,3 +77,60 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """The CPUs this process may really use, and why: its affinity, lowered to its cgroup's CPU quota where one is
+    set (a container's `resources.limits.cpu`: os.cpu_count() sees the whole host, and threads beyond the quota
+    are throttled, several times slower)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    if quota is not None and quota < cores:
+        return max(1, int(quota)), f"cgroup CPU quota {quota:g}"
+    return cores, f"{cores} cores"
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs allowed by the cgroup CPU quota (v2 cpu.max "QUOTA PERIOD", v1 cpu.cfs_quota_us / cfs_period_us), the
+    smallest along this process's cgroup and its parents; None where no quota is set."""
+    from pathlib import Path
+
+    limits = []
+    for folder in _cgroup_folders(Path(root)):
+        try:
+            if (folder / "cpu.max").exists():
+                fields = (folder / "cpu.max").read_text().split()
+                if len(fields) == 2 and fields[0] != "max":
+                    limits.append(int(fields[0]) / int(fields[1]))
+            elif (folder / "cpu.cfs_quota_us").exists():
+                quota = int((folder / "cpu.cfs_quota_us").read_text())
+                if quota > 0:
+                    limits.append(quota / int((folder / "cpu.cfs_period_us").read_text()))
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+    return min(limits) if limits else None
+
+
+def _cgroup_folders(root):
+    """This process's cgroup folders, innermost first, then the root (a container sees its own as the root)."""
+    own = []
+    try:
+        for line in open("/proc/self/cgroup"):
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers == "" or "cpu" in controllers.split(","):
+                base = root if controllers == "" else (root / "cpu" if (root / "cpu").is_dir() else root / controllers)
+                own.append((base, path.strip("/")))
+    except (OSError, ValueError):
+        pass
+    folders = []
+    for base, path in own:
+        parts = path.split("/") if path else []
+        for depth in range(len(parts), -1, -1):
+            folders.append(base.joinpath(*parts[:depth]))
+    folders += [root, root / "cpu", root / "cpu,cpuacct"]
+    seen, unique = set(), []
+    for folder in folders:
+        if folder not in seen and folder.is_dir():
+            seen.add(folder)
+            unique.append(folder)
+    return unique

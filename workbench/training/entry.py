@@ -7,17 +7,21 @@ import time
 
 from .. import heap
 from ..errors import RecipeError, WorkbenchError
+from ..cluster.env import check_launch_env
 from ..quiet import leaves_the_process_as_found, quiet_libraries
 from ..recipe import Recipe
-from ..runs import TrainResult
+from ..resume import AUTO_RESUME, auto_resume
+from ..runs import RunDir, TrainResult
 from .session import TrainingSession
 
 
 @leaves_the_process_as_found
-def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool | str = False, overwrite: bool = False,
           progress_bar: bool | str = True) -> TrainResult:
     """Train the recipe in this process (one of N when launched with `accelerate launch`).
     progress_bar: True (a bar), False (quiet), or "lines" (a plain line per metrics row, for logs).
+    resume: True continues the run (refused where there is nothing to continue); "auto" (or the recipe's
+    training.resume: auto) continues it where it has a checkpoint and starts it otherwise.
 
     Nothing in the run directory is touched until the recipe, the data and the model have been checked:
     a bad row or a refused resume leaves an earlier run exactly as it was."""
@@ -29,9 +33,29 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool = False, ov
     elif not isinstance(recipe, Recipe):
         raise RecipeError(f"train: expects a Recipe, a mapping or a recipe file, got {type(recipe).__name__}")
     quiet_libraries()
+    check_launch_env()  # a half-configured launch (RANK without WORLD_SIZE) is refused before anything loads
+    if resume not in (True, False, AUTO_RESUME):
+        raise RecipeError(f"--resume: expects nothing or `auto`, got {resume!r}")
     if resume and overwrite:
         raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
+    auto = resume == AUTO_RESUME or (recipe.training.resume == AUTO_RESUME and not resume and not overwrite)
+    if auto:
+        decision = auto_resume(RunDir(recipe.run_dir))
+        if decision == "done":  # a job restarted after its run completed: nothing left to train
+            print(f"{recipe.run_dir}: the run has completed; nothing to resume", flush=True)
+            return load_result(recipe.run_dir)
+        resume, overwrite = decision == "resume", decision == "replace"
     heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     session = TrainingSession(recipe, resume=resume, overwrite=overwrite, progress_bar=progress_bar, started=started)
+    session.auto_resume = auto
     session.setup()
     return session.execute()
+
+
+def load_result(run_dir) -> TrainResult:
+    """A completed run's result, read back from its files."""
+    from ..metrics import read_metrics
+    from ..runs import metrics_frame
+
+    run = RunDir(run_dir)
+    return TrainResult(run.path, run.read_json()["summary"], metrics_frame(read_metrics(run.metrics)))

@@ -39,8 +39,8 @@ from ..models import attach_adapter, count_parameters, load_base_model, load_con
 from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
 from ..recipe import Recipe
-from ..resume import ResumePlan
-from ..runs import RunDir, TrainResult, environment, metrics_frame
+from ..resume import ResumePlan, agree_on_resume
+from ..runs import RunDir, TrainResult, environment, metrics_frame, process_owner
 from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from ..layout_choice import resolve as resolve_layout
 from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
@@ -60,6 +60,7 @@ class TrainingSession:
         self.run_dir = RunDir(recipe.run_dir)
         self.summary = RunSummary()
         self.taken = False  # whether the run directory is this run's (a failure is recorded there only then)
+        self.auto_resume = False  # --resume auto decided `resume` (the same command continues the run)
 
     # -- setup: seconds, before any weights load ----------------------------------------------------------------
 
@@ -86,6 +87,8 @@ class TrainingSession:
         check_launcher_agrees(self.layout.strategy)
         self.accelerator = accelerator = build_accelerator(recipe, str(run.path), self.layout)
         verify_launch(accelerator, self.layout)
+        if self.auto_resume:
+            agree_on_resume(accelerator, self.resume, run.path)
         self.recipe, self.cfg, self.main = recipe, recipe.training, accelerator.is_main_process
         s.strategy, s.strategy_reason, s.layout = self.layout.strategy, why, self.layout.to_json()
         s.precision, s.attention, s.warnings = precision.to_json(), self.attention.to_json(), warnings
@@ -203,6 +206,7 @@ class TrainingSession:
             recipe.override(distributed__strategy=self.requested, model__attn=self.requested_attn).save(run.recipe)
             if self.resuming.changes:
                 self.summary.resume_changes = self.resuming.history()
+            self.summary.owner = process_owner()
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
         self.taken = True
@@ -415,8 +419,9 @@ class TrainingSession:
         if signum:
             self.bar.close()
             raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
-                              f"{self.run_dir.checkpoint(state.step).name} saved: run the same command with --resume "
-                              "to continue", signum)
+                              f"{self.run_dir.checkpoint(state.step).name} saved: "
+                              + ("run the same command to continue" if self.auto_resume else
+                                 "run the same command with --resume to continue"), signum)
 
     # -- the end: final eval, adapter, summary ------------------------------------------------------------------
 

@@ -1,0 +1,179 @@
+"""What engines tell a process through its environment, read without training: Kubernetes' PET_* defaults, a
+half-configured launch refused, the CPU quota of a real cgroup, the stop-signal list, the owner of a run.json,
+`--resume auto` on the command line, the sbatch script."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import _resume_auto, build_parser, main
+from workbench.cluster.env import launch_defaults
+from workbench.errors import RecipeError
+from workbench.hardware.current import cgroup_cpu_quota
+from workbench.runs import RunLock, load_run
+from workbench.stopping import STOP_SIGNAL_ENV, parse_signal, stop_signals
+
+RECIPE = "recipes/tiny.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_launch_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PET_NNODES", "PET_NODE_RANK",
+                 "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", STOP_SIGNAL_ENV, "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_resume_auto_is_one_flag_and_a_plain_resume_never_takes_the_recipe():
+    parser = build_parser()
+    args = parser.parse_args(_resume_auto(["train", "--resume", "auto", RECIPE]))
+    assert args.resume_auto and args.recipe == RECIPE
+    args = parser.parse_args(_resume_auto(["train", "--resume", RECIPE]))
+    assert args.resume is True and not args.resume_auto and args.recipe == RECIPE
+    args = parser.parse_args(_resume_auto(["launch", RECIPE, "--resume=auto"]))
+    assert args.resume_auto
+
+
+def test_launch_takes_a_pods_pet_variables_as_its_defaults(monkeypatch, capsys):
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "1")
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    assert main(["launch", RECIPE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "defaults from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, MASTER_ADDR, MASTER_PORT" in out
+    for flag in ("--num_processes 2", "--num_machines 2", "--machine_rank 1", "--main_process_ip 10.1.2.3",
+                 "--main_process_port 23456"):
+        assert flag in out
+    assert main(["launch", RECIPE, "--dry-run", "--node-rank", "0"]) == 0  # a flag wins
+    assert "--machine_rank 0" in capsys.readouterr().out
+
+
+def test_an_indexed_jobs_completion_index_is_the_node_rank():
+    found = launch_defaults({"PET_NNODES": "2:2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "job-0.svc",
+                             "MASTER_PORT": "29500"})
+    assert (found.nnodes, found.node_rank, found.master) == (2, 1, "job-0.svc:29500")
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"RANK": "0"}, ("RANK", "WORLD_SIZE")),
+    ({"WORLD_SIZE": "2"}, ("WORLD_SIZE", "RANK")),
+    ({"MASTER_ADDR": "10.0.0.1"}, ("MASTER_ADDR", "MASTER_PORT")),
+])
+def test_a_half_configured_env_is_refused_naming_both_before_anything_trains(monkeypatch, capsys, tmp_path, env,
+                                                                             named):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", RECIPE, f"output.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in named) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"PET_NNODES": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "PET_NODE_RANK"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0"}, "MASTER_ADDR"),
+    ({"PET_NNODES": "1:4"}, "elastic"),
+    ({"PET_NPROC_PER_NODE": "two"}, "PET_NPROC_PER_NODE"),
+])
+def test_a_half_configured_pod_is_refused_by_launch(monkeypatch, capsys, env, named):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["launch", RECIPE, "--dry-run"]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_stop_signals_are_int_term_usr1_and_one_configured(monkeypatch, capsys):
+    assert stop_signals() == (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    monkeypatch.setenv(STOP_SIGNAL_ENV, "usr2")
+    assert stop_signals()[-1] == signal.SIGUSR2
+    assert parse_signal("SIGURG") == signal.SIGURG and parse_signal("12") == 12
+    for bad in ("KILL", "NOPE"):
+        with pytest.raises(RecipeError, match="--stop-signal"):
+            parse_signal(bad)
+    assert main(["train", RECIPE, "--stop-signal", "STOP"]) == 2
+    assert "--stop-signal: SIGSTOP cannot be caught" in capsys.readouterr().err
+
+
+def test_requeue_outside_slurm_is_refused_before_training(capsys):
+    assert main(["train", RECIPE, "--requeue"]) == 2
+    assert "--requeue: not inside a SLURM job" in capsys.readouterr().err
+
+
+def test_a_running_record_whose_owner_is_gone_reads_as_died(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    run.mkdir()
+    import socket
+
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": {
+        "status": "running", "owner": {"host": socket.gethostname(), "pid": dead.pid, "started": 1.0}}}))
+    lock = RunLock(run)
+    lock.acquire()  # the lock alone would say "in use" (a lock on shared storage may outlive its holder's host)
+    try:
+        assert load_run(run).summary["status"] == "died"
+        (run / "run.json").write_text(json.dumps({"env": {}, "summary": {
+            "status": "running", "owner": {"host": socket.gethostname(), "pid": os.getpid(), "started": None}}}))
+        assert load_run(run).summary["status"] == "running"  # this process: alive
+    finally:
+        lock.release()
+
+
+def test_cgroup_quota_files_v1_and_v2(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu.cfs_quota_us").write_text("100000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.0
+
+
+def test_threads_follow_the_cpu_quota_of_a_real_cgroup(tmp_path):
+    """A process in a cgroup limited to one CPU takes one thread, where os.cpu_count() sees them all."""
+    if os.cpu_count() < 2:
+        pytest.skip("needs 2 CPUs to tell a quota of 1 from the whole machine")
+    group = Path("/sys/fs/cgroup/cpu") / f"workbench-test-{os.getpid()}"
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    try:
+        if v2.exists():
+            group = Path("/sys/fs/cgroup") / f"workbench-test-{os.getpid()}"
+            group.mkdir()
+            (group / "cpu.max").write_text("100000 100000")
+        else:
+            group.mkdir()
+            (group / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as err:
+        pytest.skip(f"cannot create a cgroup with a CPU quota here ({err.strerror}): needs root and a writable "
+                    "cgroup cpu controller")
+    try:
+        code = ("import os; open(os.environ['CG'] + '/cgroup.procs', 'w').write(str(os.getpid()));"
+                "from workbench.distributed import configure_threads; print(configure_threads(None))")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "CG": str(group)}, capture_output=True,
+                             text=True, timeout=120)
+        assert "(1, 'cgroup CPU quota 1 / 1 local process')" in out.stdout, out.stdout + out.stderr
+    finally:
+        group.rmdir()
+
+
+def test_slurm_writes_a_requeueable_script_with_the_jobs_own_port(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"output.dir={tmp_path}/runs/tiny", "--nodes", "2", "--gpus-per-node", "8",
+                 "--time", "24:00:00", "--script", str(script)]) == 0
+    text = script.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --open-mode=append", "#SBATCH --requeue",
+                 "#SBATCH --signal=USR1@120", "#SBATCH --time=24:00:00", "MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+                 "--nproc 8 --resume auto --requeue", '--node-rank "$SLURM_NODEID"'):
+        assert line in text, line
+    assert f"#SBATCH --output={tmp_path}/runs/tiny-%j.log" in text  # beside the run directory, appended
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert main(["slurm", RECIPE, "--nodes", "0"]) == 2
+    assert "--nodes: must be at least 1" in capsys.readouterr().err

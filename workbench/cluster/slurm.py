@@ -1,0 +1,123 @@
+"""SLURM: the sbatch script `workbench slurm` writes (and submits), and a job requeueing itself after a checkpoint.
+
+The script starts one `workbench launch` per node with srun; that launcher starts the node's ranks with torchrun.
+What makes a job survive preemption and time limits without its command ever being edited:
+  --requeue            SLURM may put the job back in the queue (preemption, a failed node, `scontrol requeue`);
+  --open-mode=append   a requeued job appends to its log instead of truncating it;
+  --signal=USR1@S      S seconds before the time limit every rank gets SIGUSR1, checkpoints at the step's end, and
+                       rank 0 runs `scontrol requeue $SLURM_JOB_ID` (workbench launch --requeue);
+  --resume auto        the first start trains from scratch, every later one resumes the last checkpoint;
+  a rendezvous port derived from SLURM_JOB_ID, so that two jobs sharing a node never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RecipeError, WorkbenchError
+
+PORT_BASE, PORT_SPAN = 10000, 20000  # below Linux's ephemeral ports (32768 and up)
+
+
+def requeue_wanted_for(signum: int) -> bool:
+    """A stop by the time-limit warning (SIGUSR1, or a configured signal) requeues; SIGTERM is a cancel or SLURM's
+    own preemption (which requeues by itself) and SIGINT is a person: neither does."""
+    return signum not in (signal.SIGINT, signal.SIGTERM)
+
+
+def check_requeue_possible(env=None) -> None:
+    """--requeue needs a SLURM job to requeue and scontrol to do it: said before anything trains."""
+    env = os.environ if env is None else env
+    if not env.get("SLURM_JOB_ID", "").strip():
+        raise RecipeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is not set); it requeues the job that "
+                          "runs it")
+    if shutil.which("scontrol") is None:
+        raise RecipeError("--requeue: scontrol is not on PATH (SLURM's client commands); install slurm-client or "
+                          "run on a node of the cluster")
+
+
+def requeue_self() -> str:
+    """Put this job back in SLURM's queue (it continues with --resume auto). Returns a line to print."""
+    job = os.environ["SLURM_JOB_ID"]
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if done.returncode:
+        return f"warning: scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()[:300]}"
+    return f"requeued SLURM job {job}: it continues from the checkpoint when it starts again"
+
+
+@dataclass
+class SbatchPlan:
+    script: str
+    path: Path
+    log: Path
+
+
+def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, gpus_per_node: int,
+                 nproc_per_node: int | None = None, cpus_per_task: int | None = None, time: str | None = None,
+                 partition: str | None = None, account: str | None = None, signal_before_s: int = 120,
+                 script: str | Path | None = None, extra: list[str] | None = None) -> SbatchPlan:
+    """The sbatch script for a recipe (checked first: a bad recipe fails here, not in the queue), written."""
+    from ..recipe import Recipe
+
+    if nodes < 1:
+        raise RecipeError(f"--nodes: must be at least 1, got {nodes}")
+    if gpus_per_node < 0:
+        raise RecipeError(f"--gpus-per-node: must be 0 or more, got {gpus_per_node}")
+    nproc = nproc_per_node if nproc_per_node is not None else max(1, gpus_per_node)
+    if nproc < 1:
+        raise RecipeError(f"--nproc-per-node: must be at least 1, got {nproc}")
+    if signal_before_s < 0:
+        raise RecipeError(f"--signal-before: seconds, 0 or more, got {signal_before_s}")
+    recipe = Recipe.load(recipe_path, overrides)
+    run_dir = Path(recipe.run_dir).absolute()
+    path = Path(script) if script else run_dir.with_name(run_dir.name + ".sbatch")
+    log = run_dir.with_name(run_dir.name + "-%j.log")  # beside the run directory: a run's folder holds only the run
+    launch = [sys.executable, "-m", "workbench", "launch", str(Path(recipe_path).absolute()), *overrides,
+              "--nproc", str(nproc), "--resume", "auto", "--requeue"]
+    inner = (shlex.join(launch) + ' --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"'
+             ' --master "$MASTER_ADDR:$MASTER_PORT"')
+    lines = ["#!/bin/bash", f"# workbench slurm {shlex.join([str(recipe_path), *overrides])}",
+             f"#SBATCH --job-name={recipe.name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    for flag, value in (("cpus-per-task", cpus_per_task), ("time", time), ("partition", partition),
+                        ("account", account)):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines += [f"#SBATCH --output={log}", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
+    if signal_before_s:
+        lines.append(f"#SBATCH --signal=USR1@{signal_before_s}")
+    lines += [f"#SBATCH {arg}" for arg in (extra or [])]
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        f"export MASTER_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))  # the job's own rendezvous port",
+        'echo "job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST at $(date -Is)"',
+        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + inner)}",
+    ]
+    text = "\n".join(lines) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as err:
+        raise RecipeError(f"--script: cannot write {path} ({err.strerror or err})") from None
+    return SbatchPlan(text, path, log)
+
+
+def submit(path: Path) -> str:
+    """sbatch the script; the job id."""
+    if shutil.which("sbatch") is None:
+        raise RecipeError("--submit: sbatch is not on PATH (SLURM's client commands); install slurm-client or "
+                          "submit from the cluster's login node")
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise WorkbenchError(f"sbatch {path}: {(done.stderr or done.stdout).strip()[:500]}")
+    return done.stdout.strip().split(";")[0]
