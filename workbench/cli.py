@@ -95,33 +95,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_parser = sub.add_parser
     sub.add_parser = lambda *a, **k: _add_parser(*a, **{"allow_abbrev": False, **k})
+    _add_training_commands(sub)
+    _add_recipe_commands(sub)
+    _add_output_commands(sub)
+    _add_interactive_commands(sub)
+    return parser
 
-    def recipe_command(name: str, help_text: str, handler, optional: bool = False):
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument("recipe", nargs="?" if optional else None, help="recipe YAML file")
-        cmd.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.lr=1e-4 adapter.r=32")
-        cmd.set_defaults(handler=handler)
-        return cmd
 
-    def run_flags(cmd) -> None:
-        cmd.add_argument("--resume", action="store_true",
-                         help="continue from the last complete checkpoint; `--resume auto`: continue where the run "
-                              "directory has a checkpoint, start afresh where it has none (a requeued or restarted "
-                              "job runs the same command every time)")
-        cmd.add_argument("--resume-auto", action="store_true", help=argparse.SUPPRESS)
-        cmd.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-        cmd.add_argument("--stop-signal", default=None, metavar="SIGNAL",
-                         help="one more signal that checkpoints and stops the run at the next step (SIGINT, SIGTERM "
-                              "and SIGUSR1 always do), e.g. USR2")
-        cmd.add_argument("--requeue", action="store_true",
-                         help="SLURM: after a checkpoint taken for SIGUSR1 (the time-limit warning) or --stop-signal, "
-                              "requeue this job (scontrol requeue $SLURM_JOB_ID); use with --resume auto")
+def _recipe_command(sub, name: str, help_text: str, handler, optional: bool = False):
+    cmd = sub.add_parser(name, help=help_text, description=help_text)
+    cmd.add_argument("recipe", nargs="?" if optional else None, help="recipe YAML file")
+    cmd.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.lr=1e-4 adapter.r=32")
+    cmd.set_defaults(handler=handler)
+    return cmd
 
-    train = recipe_command("train", "train a recipe (no recipe: the quickstart)", _train, optional=True)
-    run_flags(train)
+def _run_flags(cmd) -> None:
+    cmd.add_argument("--resume", action="store_true",
+                     help="continue from the last complete checkpoint; `--resume auto`: continue where the run "
+                          "directory has a checkpoint, start afresh where it has none (a requeued or restarted "
+                          "job runs the same command every time)")
+    cmd.add_argument("--resume-auto", action="store_true", help=argparse.SUPPRESS)
+    cmd.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    cmd.add_argument("--stop-signal", default=None, metavar="SIGNAL",
+                     help="one more signal that checkpoints and stops the run at the next step (SIGINT, SIGTERM "
+                          "and SIGUSR1 always do), e.g. USR2")
+    cmd.add_argument("--requeue", action="store_true",
+                     help="SLURM: after a checkpoint taken for SIGUSR1 (the time-limit warning) or --stop-signal, "
+                          "requeue this job (scontrol requeue $SLURM_JOB_ID); use with --resume auto")
+
+
+def _add_training_commands(sub) -> None:
+    """train, launch, slurm: the ways a recipe runs."""
+    train = _recipe_command(sub, "train", "train a recipe (no recipe: the quickstart)", _train, optional=True)
+    _run_flags(train)
     train.add_argument("--no-progress", action="store_true", help="a plain line per logged step instead of a bar")
 
-    launch = recipe_command("launch", "run a recipe on N processes / M machines through accelerate launch "
+    launch = _recipe_command(sub, "launch", "run a recipe on N processes / M machines through accelerate launch "
                                       "(defaults from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, "
                                       "MASTER_ADDR/MASTER_PORT where a pod sets them)", _launch)
     launch.add_argument("--nproc", type=int, default=None, help="processes on this machine (default 1)")
@@ -129,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--node-rank", type=int, default=None, help="this machine's rank (default 0)")
     launch.add_argument("--master", default=None, help="IP:PORT of the rank-0 machine (default 127.0.0.1:29500)")
     launch.add_argument("--dry-run", action="store_true", help="print the command and stop")
-    run_flags(launch)
+    _run_flags(launch)
 
-    slurm = recipe_command("slurm", "write (and with --submit, submit) an sbatch script that runs the recipe on "
+    slurm = _recipe_command(sub, "slurm", "write (and with --submit, submit) an sbatch script that runs the recipe on "
                                     "SLURM, requeued and resumed by itself", _slurm)
     slurm.add_argument("--nodes", type=int, default=1, help="machines")
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per machine (0: a CPU job)")
@@ -148,12 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--script", default=None, help="where to write it (default: beside the run directory)")
     slurm.add_argument("--submit", action="store_true", help="also sbatch it")
 
-    validate = recipe_command("validate", "check a recipe and exit", _validate)
+
+def _add_recipe_commands(sub) -> None:
+    """validate, show, estimate, data: questions answered before anything trains."""
+    validate = _recipe_command(sub, "validate", "check a recipe and exit", _validate)
     validate.add_argument("--preflight", action="store_true",
                           help="also check data files, the output folder, free disk, the tokenizer and context length")
-    recipe_command("show", "print the resolved recipe (defaults filled in, overrides applied)", _show)
+    _recipe_command(sub, "show", "print the resolved recipe (defaults filled in, overrides applied)", _show)
 
-    est = recipe_command("estimate", "memory per device for every strategy, which fits, and predicted speed", _estimate)
+    est = _recipe_command(sub, "estimate", "memory per device for every strategy, which fits, and predicted speed", _estimate)
     est.add_argument("--nproc", "--world-size", dest="world_size", type=int, default=1,
                      help="devices in all (processes)")
     est.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, default=1, help="machines the devices are spread over")
@@ -162,12 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--price-per-gpu-hour", type=float, default=None, help="for a cost estimate")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    data = recipe_command("data", "the training data as the model will see it: rows with the trained tokens marked, "
+    data = _recipe_command(sub, "data", "the training data as the model will see it: rows with the trained tokens marked, "
                                   "token lengths, truncation and packing", _data)
     data.add_argument("--rows", type=int, default=3, help="how many rows to show (default 3)")
     data.add_argument("--json", action="store_true", help="print JSON instead of text")
     data.add_argument("--histogram", metavar="PNG", default=None, help="also save the token-length histogram")
 
+
+def _add_output_commands(sub) -> None:
+    """evaluate, merge, export, push: what a finished run produced."""
     ev = sub.add_parser("evaluate", aliases=["eval"], help="score a run's tuned model (and its base) on held-out data")
     ev.add_argument("run", help="run directory")
     ev.add_argument("--data", default=None, help="a data file (default: the recipe's eval data)")
@@ -202,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--private", action="store_true", help="create the repository private")
     ps.set_defaults(handler=_push)
 
+
+def _add_interactive_commands(sub) -> None:
+    """chat, ui, generate, runs."""
     ch = sub.add_parser("chat", help="chat in the terminal with a run's tuned model or any model", add_help=False)
     ch.add_argument("rest", nargs=argparse.REMAINDER)
     ch.set_defaults(handler=_chat)
@@ -227,7 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="a table of the runs under a folder")
     runs.add_argument("root", nargs="?", default="runs")
     runs.set_defaults(handler=_runs)
-    return parser
 
 
 def _load_recipe(args):
