@@ -15,9 +15,8 @@ import sys
 import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
+from run_files import adapter, assert_same_adapter, logged_step, wait_for
 from workbench import train
 from workbench.errors import NonFiniteError
 from workbench.runs import RunDir
@@ -52,49 +51,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(condition, process, timeout=300, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        if process.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def logged_step(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line).get("step", 0))
-        except json.JSONDecodeError:
-            pass
-    return max(steps, default=0)
-
-
-def adapter(run_dir) -> dict:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
-def assert_same_adapter(a: dict, b: dict, atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), (key, (a[key] - b[key]).abs().max())
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run every interrupted one must reproduce."""
-    run_dir = tmp_path_factory.mktemp("crash") / "reference"
-    code, out = finish(start(run_dir, "output.save_every=null"))
-    assert code == 0, out
-    return adapter(run_dir)
 
 
 def test_kill_9_at_a_random_step_then_resume(tmp_path, reference):

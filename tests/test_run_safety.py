@@ -75,6 +75,11 @@ def test_resume_refuses_a_changed_recipe_naming_every_change(tiny_recipe):
     assert "data.max_seq_len: 128 -> 64" in message and "adapter.r: 8 -> 4" in message
     assert "training.max_steps: 4 -> 9" in message
     assert run.recipe.read_text() == saved and run.read_json()["summary"]["status"] == "running"
+    # without the run's own recipe nothing says what may change: refused, and nothing written
+    run.recipe.unlink()
+    with pytest.raises(RecipeError, match=r"^--resume: the run's own recipe .*recipe.yaml is missing"):
+        train(recipe.override("adapter.r=4"), resume=True, progress_bar=False)
+    assert not run.recipe.exists() and run.read_json()["summary"]["status"] == "running"
 
 
 def test_resume_allows_safe_changes_and_records_them(tiny_recipe):

@@ -79,6 +79,9 @@ class ResumePlan:
         plan = cls(run, resuming=True, recorded=run.read_json().get("summary", {}))
         if run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
             recipe, plan.changes, plan.notes = check_resume(recipe, run, world_size)
+        elif run.latest_checkpoint() is not None:  # every run saves it before its first checkpoint
+            raise RecipeError(f"--resume: the run's own recipe {run.recipe} is missing (it says what the checkpoints "
+                              "hold and what a resume may change); restore it, or start the run again (--overwrite)")
         return recipe, plan
 
     def share_prompts(self, recipe: Recipe, attention, model_config) -> bool:

@@ -4,10 +4,8 @@ import json
 import os
 import socket
 import subprocess
-import time
 
-import torch
-from safetensors.torch import load_file
+from run_files import adapter, assert_same_adapter, logged_step, wait_for  # noqa: F401  (the engine tests import them from here)
 
 RECIPE = "recipes/tiny.yaml"
 STEPS = 16  # enough that a signal sent at step 3 lands mid-run, even on a busy machine
@@ -41,30 +39,6 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return process.returncode, out
 
 
-def logged_step(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line).get("step", 0))
-        except json.JSONDecodeError:
-            pass
-    return max(steps, default=0)
-
-
-def wait_for(condition, process=None, timeout: float = 240, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def summary(run_dir) -> dict:
     return json.loads((run_dir / "run.json").read_text())["summary"]
 
@@ -74,11 +48,3 @@ def losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def adapter(run_dir) -> dict:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
-def assert_same_adapter(a: dict, b: dict, atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), (key, (a[key] - b[key]).abs().max())
