@@ -24,6 +24,7 @@ _API = {
     "Estimate": "memory", "estimate": "memory",
     "export": "gguf_export",
     "push": "publish",
+    "ray_train": "cluster.ray",
     "preview_data": "preview",
     "Recipe": "recipe",
     "Run": "runs", "TrainResult": "runs", "list_runs": "runs", "load_run": "runs",

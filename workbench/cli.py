@@ -125,7 +125,7 @@ def _run_flags(cmd) -> None:
 
 
 def _add_training_commands(sub) -> None:
-    """train, launch, slurm: the ways a recipe runs."""
+    """train, launch, ray, slurm: the ways a recipe runs."""
     train = _recipe_command(sub, "train", "train a recipe (no recipe: the quickstart)", _train, optional=True)
     _run_flags(train)
     train.add_argument("--no-progress", action="store_true", help="a plain line per logged step instead of a bar")
@@ -139,6 +139,14 @@ def _add_training_commands(sub) -> None:
     launch.add_argument("--master", default=None, help="IP:PORT of the rank-0 machine (default 127.0.0.1:29500)")
     launch.add_argument("--dry-run", action="store_true", help="print the command and stop")
     _run_flags(launch)
+
+    ray = _recipe_command(sub, "ray", "run a recipe on Ray Train workers (a local Ray, or --address); a failed worker "
+                                      "group is restarted and resumes the run", _ray)
+    ray.add_argument("--workers", type=int, default=2, help="Ray workers, one training process each (default 2)")
+    ray.add_argument("--cpus-per-worker", type=int, default=1)
+    ray.add_argument("--gpu", action="store_true", help="one GPU per worker")
+    ray.add_argument("--max-failures", type=int, default=2, help="restarts of the worker group (default 2)")
+    ray.add_argument("--address", default=None, help="a running Ray cluster (default: start one for this run)")
 
     slurm = _recipe_command(sub, "slurm", "write (and with --submit, submit) an sbatch script that runs the recipe on "
                                     "SLURM, requeued and resumed by itself", _slurm)
@@ -219,7 +227,7 @@ def _add_output_commands(sub) -> None:
 
 
 def _add_interactive_commands(sub) -> None:
-    """chat, ui, generate, runs."""
+    """chat, ui, generate, stop, runs."""
     ch = sub.add_parser("chat", help="chat in the terminal with a run's tuned model or any model", add_help=False)
     ch.add_argument("rest", nargs=argparse.REMAINDER)
     ch.set_defaults(handler=_chat)
@@ -241,6 +249,11 @@ def _add_interactive_commands(sub) -> None:
     gen.add_argument("--base", action="store_true", help="use the run's base model, without the adapter")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(handler=_generate)
+
+    stop = sub.add_parser("stop", help="ask a running run to checkpoint and end at its next step (on any engine, "
+                                       "Ray's workers too, where no signal reaches the loop)")
+    stop.add_argument("run", help="run directory")
+    stop.set_defaults(handler=_stop)
 
     runs = sub.add_parser("runs", help="a table of the runs under a folder")
     runs.add_argument("root", nargs="?", default="runs")
@@ -348,6 +361,18 @@ def _launch(args) -> int:
     if args.dry_run:
         return 0
     return run_launch(plan)
+
+
+def _ray(args) -> int:
+    from .cluster.ray import ray_train
+    from .recipe import Recipe
+
+    if args.recipe is None:
+        raise WorkbenchError("ray needs a recipe file")
+    result = ray_train(Recipe.load(args.recipe, args.overrides), num_workers=args.workers, use_gpu=args.gpu,
+                       cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures, address=args.address)
+    _print_summary(result.run_dir, result.summary)
+    return 0
 
 
 def _given(flag, default):
@@ -530,6 +555,22 @@ def _generate(args) -> int:
     from .inference import generate
 
     print(generate(args.source, args.prompt, base=args.base, max_new_tokens=args.max_new_tokens))
+    return 0
+
+
+def _stop(args) -> int:
+    from .runs import load_run
+
+    run = load_run(args.run)
+    status = run.summary.get("status")
+    if status != "running":
+        raise WorkbenchError(f"{run.path}: the run is not running (status {status}); nothing to stop")
+    try:
+        run.dir.stop_request.write_text(f"requested by pid {os.getpid()}\n")
+    except OSError as err:
+        raise WorkbenchError(f"{run.dir.stop_request}: cannot write the stop request ({err.strerror or err})") from None
+    print(f"{run.path}: asked to stop at its next step; it saves a checkpoint first and ends as a SIGTERM would "
+          "(run the same command with --resume, or --resume auto, to continue)")
     return 0
 
 

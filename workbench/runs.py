@@ -25,7 +25,8 @@ CHECKPOINT_PREFIX = "step-"
 # names of its writes in progress (staged adapters, replaced ones, temporary records, an interrupted
 # replacement). An --overwrite removes these and nothing else: notes, `workbench merge` and `export`
 # folders and any other file of the user's stay.
-RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns")
+RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns",
+               "STOP")
 # The exact names of those writes in progress, so that a file of the user's that merely looks alike (.tmp-notes)
 # is never taken for one: a staged or replaced adapter or model (train.save_adapter, replace_folder), an
 # --overwrite's aside folder (.replaced-PID-XXXXXXXX, tempfile's 8 characters), a record or metrics file being
@@ -77,6 +78,7 @@ class RunDir:
     adapter = property(lambda self: self.path / "adapter")
     model = property(lambda self: self.path / "model")  # a full fine-tune's whole model, instead of adapter/
     merged = property(lambda self: self.path / "merged")  # `workbench merge`'s default output
+    stop_request = property(lambda self: self.path / "STOP")  # `workbench stop`: checkpoint and end at the next step
     checkpoints = property(lambda self: self.path / "checkpoints")
 
     def claim(self, resume: bool, overwrite: bool) -> None:

@@ -104,3 +104,37 @@ def test_a_configured_stop_signal_sent_to_the_launcher_alone_reaches_the_run(tmp
     assert code == 128 + signal.SIGUSR2, out
     assert "interrupted by SIGUSR2" in out, out[-3000:]
     assert summary(run_dir)["status"] == "interrupted" and RunDir(run_dir).latest_checkpoint() is not None
+
+
+def test_workbench_stop_ends_a_loop_running_in_a_thread_with_a_checkpoint(tiny_recipe, capsys):
+    """No signal reaches a loop in a thread (Ray Train runs it in one): `workbench stop` asks through the run
+    directory, and the loop checkpoints and ends as SIGTERM would; the next start clears the answered request."""
+    import threading
+
+    from workbench.cli import main
+
+    recipe = tiny_recipe.override("training.max_steps=40", "output.save_every=null", "output.log_every=1")
+    run_dir = RunDir(recipe.run_dir)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = train(recipe, progress_bar=False)
+        except BaseException as err:  # noqa: BLE001  what the thread ended with
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_for(lambda: logged_step(run_dir.path) >= 2 or not worker.is_alive(), what="step 2")
+    assert main(["stop", str(run_dir.path)]) == 0 and run_dir.stop_request.exists()
+    assert "asked to stop at its next step" in capsys.readouterr().out
+    worker.join(timeout=120)
+    err = outcome.get("error")
+    assert err is not None and getattr(err, "exit_code", None) == 128 + signal.SIGTERM, outcome
+    step = run_dir.latest_checkpoint()[0]
+    assert 2 <= step < 40 and summary(run_dir.path)["status"] == "interrupted"
+    assert main(["stop", str(run_dir.path)]) == 1  # not running: nothing to stop
+    assert "is not running (status interrupted)" in capsys.readouterr().err
+    run_dir.stop_request.write_text("stale\n")  # left over: the next start of the run clears it, and goes on
+    resumed = train(recipe, resume=True, progress_bar=False)
+    assert resumed.summary["status"] == "completed" and not run_dir.stop_request.exists()

@@ -198,6 +198,7 @@ class TrainingSession:
         """Called once data and model are ready: only now is the run directory written."""
         run, recipe = self.run_dir, self.recipe
         if self.main:
+            run.stop_request.unlink(missing_ok=True)  # a request the run it was meant for has answered
             if self.resume:
                 self.resuming.check_data(self.data.stats)
             else:
@@ -349,6 +350,8 @@ class TrainingSession:
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
         self.watch.observe(state.step + 1, step_loss, grad_norm)
         decides = self.reads_every_step or _reports_after(state.step + 1, self.total_steps, self.recipe.output)
+        if run.stop_request.exists():  # `workbench stop`: what a signal does, where none can be sent (Ray's threads)
+            self.stop.request(signal.SIGTERM)
         first_bad, signum = agree(accelerator, self.watch.first if decides else None, self.stop, self.signal_group)
         if signum and not decides:  # stopping here: the checkpoint it writes must be checked first
             first_bad, signum = agree(accelerator, self.watch.first, self.stop)

@@ -1,0 +1,85 @@
+"""Ray Train for real: a local Ray with two CPU workers runs the recipe (`workbench ray`); a worker killed mid-run
+makes Ray restart the group, which resumes from the last checkpoint and ends with the adapter and the losses of an
+uninterrupted two-process torchrun run. Skipped, saying why, where Ray is not installed."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.errors import WorkbenchError
+from workbench.recipe import Recipe
+
+from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
+    summary, wait_for
+
+STEPS = 10
+RUN = [*COMMON, f"training.max_steps={STEPS}", "output.save_every=2", "distributed.strategy=ddp"]
+
+
+def ray_workers() -> list[int]:
+    """Processes Ray runs as training workers (Ray names them ray::RayTrainWorker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"RayTrainWorker" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'lora-workbench[ray]')")
+    torchrun = tmp_path / "torchrun"
+    code, out = finish(start([sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", "2", "--master",
+                              f"127.0.0.1:{free_port()}", f"output.dir={torchrun}", *RUN]))
+    assert code == 0, out[-3000:]
+
+    run_dir = tmp_path / "ray"
+    process = start([sys.executable, "-m", "workbench", "ray", RECIPE, "--workers", "2", "--max-failures", "1",
+                     f"output.dir={run_dir}", *RUN])
+    wait_for(lambda: logged_step(run_dir) >= 3 and ray_workers(), process, what="step 3 under Ray")
+    os.kill(max(ray_workers()), signal.SIGKILL)  # one worker gone without a word: Ray restarts the group
+    code, out = finish(process, timeout=400)
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out, out[-4000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["steps"] == STEPS and s["world_size"] == 2
+    assert [step for step, _ in losses(run_dir)] == list(range(1, STEPS + 1))  # no step lost or logged twice
+    assert [loss for _, loss in losses(run_dir)] == pytest.approx([loss for _, loss in losses(torchrun)], abs=1e-6)
+    assert_same_adapter(adapter(run_dir), adapter(torchrun), atol=1e-6)
+
+
+def test_paths_are_made_absolute_before_workers_start(tmp_path):
+    from workbench.cluster.ray import anchored
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    recipe = Recipe.load(RECIPE, ["data.train=data/train.jsonl", "data.eval=null", "output.dir=runs/{name}"])
+    fixed = anchored(recipe, tmp_path)
+    assert fixed.data.train == str(tmp_path / "data" / "train.jsonl")
+    assert fixed.output.dir == str(tmp_path / "runs" / "{name}")
+    assert fixed.model.path == recipe.model.path  # builtin:tiny stays a builtin
+    hub = anchored(recipe.override("data.train=someone/a-dataset"), tmp_path)
+    assert hub.data.train == "someone/a-dataset"  # no such local file: a hub id stays one
+
+
+def test_without_ray_one_line_says_what_to_install(monkeypatch):
+    import builtins
+
+    from workbench.cluster import ray as entry
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(WorkbenchError, match=r"ray_train needs Ray Train: pip install 'lora-workbench\[ray\]'"):
+        entry.ray_train(Recipe.load(RECIPE))
