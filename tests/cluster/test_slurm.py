@@ -6,7 +6,6 @@ uninterrupted run. Skipped, saying why, where the cluster cannot be brought up (
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
