@@ -177,3 +177,21 @@ def test_slurm_writes_a_requeueable_script_with_the_jobs_own_port(tmp_path, caps
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert main(["slurm", RECIPE, "--nodes", "0"]) == 2
     assert "--nodes: must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--time", "1:00:00\ntouch /tmp/pwned"], "--time"),
+    (["--partition", "debug\necho hi"], "--partition"),
+    (["--partition", "a b"], "--partition: one word"),
+    (["--sbatch-arg", "--comment=x\ntouch /tmp/pwned"], "--sbatch-arg"),
+    (["--sbatch-arg", "touch /tmp/pwned"], "--sbatch-arg: an sbatch option"),
+    (["name=a\nb"], "key=value"),
+])
+def test_a_value_that_would_add_a_line_to_the_sbatch_script_is_refused(tmp_path, capsys, flags, named):
+    from workbench.cli import main
+
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", "recipes/tiny.yaml", f"output.dir={tmp_path}/runs/{{name}}", "--script", str(script),
+                 *flags]) == 2
+    assert f"error: {named}" in capsys.readouterr().err
+    assert not script.exists()

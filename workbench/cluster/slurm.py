@@ -75,8 +75,24 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
         raise RecipeError(f"--nproc-per-node: must be at least 1, got {nproc}")
     if signal_before_s < 0:
         raise RecipeError(f"--signal-before: seconds, 0 or more, got {signal_before_s}")
+    # each value lands on a line of a shell script: a line break (or any control character) would start a command
+    for flag, value in (("RECIPE", str(recipe_path)), *(("key=value", o) for o in overrides), ("--time", time),
+                        ("--partition", partition), ("--account", account), ("--script", script),
+                        *(("--sbatch-arg", a) for a in (extra or []))):
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+            raise RecipeError(f"{flag}: {str(value)!r} holds a line break or control character, which an sbatch "
+                              "script cannot carry")
+    for flag, value in (("--time", time), ("--partition", partition), ("--account", account)):
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise RecipeError(f"{flag}: one word without spaces, got {value!r}")
+    for arg in extra or []:
+        if not arg.startswith("--"):
+            raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high, got {arg!r}")
     recipe = Recipe.load(recipe_path, overrides)
     run_dir = Path(recipe.run_dir).absolute()
+    if any(ord(c) < 32 for c in str(run_dir)):
+        raise RecipeError(f"output.dir: {str(run_dir)!r} holds a line break or control character, which an sbatch "
+                          "script cannot carry")
     path = Path(script) if script else run_dir.with_name(run_dir.name + ".sbatch")
     log = run_dir.with_name(run_dir.name + "-%j.log")  # beside the run directory: a run's folder holds only the run
     launch = [sys.executable, "-m", "workbench", "launch", str(Path(recipe_path).absolute()), *overrides,
