@@ -566,7 +566,7 @@ def _stop(args) -> int:
     if status != "running":
         raise WorkbenchError(f"{run.path}: the run is not running (status {status}); nothing to stop")
     try:
-        run.dir.stop_request.write_text(f"requested by pid {os.getpid()}\n")
+        run.dir.request_stop()
     except OSError as err:
         raise WorkbenchError(f"{run.dir.stop_request}: cannot write the stop request ({err.strerror or err})") from None
     print(f"{run.path}: asked to stop at its next step; it saves a checkpoint first and ends as a SIGTERM would "

@@ -81,6 +81,12 @@ class RunDir:
     stop_request = property(lambda self: self.path / "STOP")  # `workbench stop`: checkpoint and end at the next step
     checkpoints = property(lambda self: self.path / "checkpoints")
 
+    def request_stop(self) -> None:
+        """Write the stop request (`workbench stop`), never through a link planted in its place."""
+        fd = os.open(self.stop_request, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"requested by pid {os.getpid()}\n")
+
     def claim(self, resume: bool, overwrite: bool) -> None:
         """Take the run directory for this process (a lock held until it exits) and refuse what would clobber
         a run by mistake. Deletes nothing: an --overwrite clears the folder later (`clear`), once the new

@@ -29,7 +29,8 @@ FORWARDED_WITHIN_S = 1.0
 # handlers, the launcher that must survive and pass them on, the CLI's exit codes).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 STOP_SIGNAL_ENV = "WORKBENCH_STOP_SIGNAL"  # one more, by name (USR2, SIGURG, ...): launched ranks inherit it
-NEVER_STOP_SIGNALS = ("SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
+NEVER_STOP_SIGNALS = ("SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
+                      "SIGWINCH", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGPIPE")  # or sent in normal use
 
 
 def parse_signal(text: str, what: str = "--stop-signal") -> int:
@@ -41,7 +42,8 @@ def parse_signal(text: str, what: str = "--stop-signal") -> int:
     except (KeyError, ValueError):
         raise RecipeError(f"{what}: {text!r} is not a signal name (e.g. USR1, USR2, TERM)") from None
     if found.name in NEVER_STOP_SIGNALS:
-        raise RecipeError(f"{what}: {found.name} cannot be caught to stop a run cleanly; choose e.g. USR1 or USR2")
+        raise RecipeError(f"{what}: {found.name} cannot stop a run cleanly (it cannot be caught, or a run gets it in "
+                          "normal use); choose e.g. USR1 or USR2")
     return int(found)
 
 

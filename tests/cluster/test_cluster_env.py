@@ -92,12 +92,12 @@ def test_stop_signals_are_int_term_usr1_and_one_configured(monkeypatch, capsys):
     assert stop_signals() == (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     monkeypatch.setenv(STOP_SIGNAL_ENV, "usr2")
     assert stop_signals()[-1] == signal.SIGUSR2
-    assert parse_signal("SIGURG") == signal.SIGURG and parse_signal("12") == 12
+    assert parse_signal("SIGALRM") == signal.SIGALRM and parse_signal("12") == 12
     for bad in ("KILL", "NOPE"):
         with pytest.raises(RecipeError, match="--stop-signal"):
             parse_signal(bad)
     assert main(["train", RECIPE, "--stop-signal", "STOP"]) == 2
-    assert "--stop-signal: SIGSTOP cannot be caught" in capsys.readouterr().err
+    assert "--stop-signal: SIGSTOP cannot stop a run cleanly" in capsys.readouterr().err
 
 
 def test_requeue_outside_slurm_is_refused_before_training(capsys):
@@ -195,3 +195,59 @@ def test_a_value_that_would_add_a_line_to_the_sbatch_script_is_refused(tmp_path,
                  *flags]) == 2
     assert f"error: {named}" in capsys.readouterr().err
     assert not script.exists()
+
+
+def test_workbench_stop_never_writes_through_a_link_in_the_run_directory(tmp_path, capsys):
+    import json as json_
+
+    from workbench.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    from workbench.runs import process_owner
+
+    (run / "run.json").write_text(json_.dumps({"summary": {"status": "running", "owner": process_owner()}, "env": {}}))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (run / "STOP").symlink_to(victim)
+    from workbench.runs import RunLock
+
+    lock = RunLock(run)
+    lock.acquire()  # a live run holds its directory
+    try:
+        assert main(["stop", str(run)]) == 1
+    finally:
+        lock.release()
+    assert victim.read_text() == "precious" and "cannot write the stop request" in capsys.readouterr().err
+
+
+def test_slurm_refuses_to_overwrite_a_file_it_did_not_write_and_a_spaced_output_dir(tmp_path, capsys):
+    from workbench.cli import main
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(open(RECIPE).read())
+    assert main(["slurm", str(recipe), f"output.dir={tmp_path}/runs/tiny", "--script", str(recipe)]) == 2
+    assert "is not a script `workbench slurm` wrote" in capsys.readouterr().err
+    assert recipe.read_text() == open(RECIPE).read()
+    script = tmp_path / "job.sbatch"
+    for _ in range(2):  # its own script it replaces
+        assert main(["slurm", RECIPE, f"output.dir={tmp_path}/runs/tiny", "--script", str(script)]) == 0
+    assert main(["slurm", RECIPE, f"output.dir={tmp_path}/x y", "--script", str(tmp_path / "b.sbatch")]) == 2
+    assert "output.dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["WINCH", "CONT", "TSTP"])
+def test_a_signal_a_run_gets_in_normal_use_is_no_stop_signal(name):
+    from workbench.errors import RecipeError
+    from workbench.stopping import parse_signal
+
+    with pytest.raises(RecipeError, match=f"SIG{name} cannot stop a run cleanly"):
+        parse_signal(name)
+
+
+def test_a_count_in_other_digits_is_refused_in_one_line(monkeypatch, capsys):
+    from workbench.cli import main
+
+    monkeypatch.setenv("PET_NNODES", "²")
+    assert main(["launch", RECIPE, "--dry-run"]) == 2
+    assert "PET_NNODES" in capsys.readouterr().err

@@ -68,6 +68,15 @@ def test_paths_are_made_absolute_before_workers_start(tmp_path):
     assert hub.data.train == "someone/a-dataset"  # no such local file: a hub id stays one
 
 
+def test_a_missing_data_file_is_one_line_before_ray_starts(tmp_path):
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lora-workbench[ray]')")
+    from workbench.cluster.ray import ray_train
+
+    with pytest.raises(WorkbenchError, match=r"^data.train: file .*missing.jsonl not found"):
+        ray_train(Recipe.load(RECIPE, ["data.train=recipes/data/missing.jsonl"]))
+    assert not ray.is_initialized()
+
+
 def test_without_ray_one_line_says_what_to_install(monkeypatch):
     import builtins
 

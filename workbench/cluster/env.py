@@ -82,6 +82,6 @@ def _count(name: str, text: str, least: int = 1) -> int:
         import torch
 
         return max(1, torch.cuda.device_count())
-    if not text.isdigit() or int(text) < least:
+    if not (text.isascii() and text.isdigit()) or int(text) < least:
         raise RecipeError(f"{name}: expected a whole number of at least {least}, got {text!r}")
     return int(text)

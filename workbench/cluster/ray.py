@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import Interrupted, RecipeError, WorkbenchError
+from ..preflight import check_data_files
 from ..recipe import Recipe
 from ..runs import RunDir, TrainResult
 
@@ -35,6 +38,7 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
     if not isinstance(max_failures, int) or max_failures < 0:
         raise RecipeError(f"ray_train: max_failures must be 0 or more, got {max_failures!r}")
     recipe = anchored(recipe, Path.cwd())
+    check_data_files(recipe)  # here, in one line, not on every worker after Ray started them
     started_here = not ray.is_initialized()
     if started_here:
         try:
@@ -48,7 +52,8 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
                                                    resources_per_worker={"CPU": cpus_per_worker}),
             run_config=train_api.RunConfig(name=recipe.name, storage_path=str(Path(recipe.run_dir).parent / ".ray"),
                                            failure_config=train_api.FailureConfig(max_failures=max_failures)))
-        trainer.fit()
+        with _signals_ask_the_workers_to_stop(RunDir(recipe.run_dir)):
+            trainer.fit()
     except train_api.TrainingFailedError as err:
         raise WorkbenchError(f"ray_train: the run failed on its workers after {max_failures} restart(s): "
                              f"{str(err).strip().splitlines()[-1]}") from None
@@ -91,6 +96,29 @@ def anchored(recipe: Recipe, base: Path) -> Recipe:
                "output.dir": recipe.output.dir if Path(recipe.output.dir).is_absolute()
                else str(base.resolve() / recipe.output.dir)}
     return recipe.override(**{k.replace(".", "__"): v for k, v in changes.items()})
+
+
+@contextmanager
+def _signals_ask_the_workers_to_stop(run: RunDir):
+    """SIGINT/SIGTERM to the driver (Ctrl-C, a scheduler) become a stop request the workers read at their next
+    step: they checkpoint and end, and fit() returns; without this Ray's own handler aborts the driver at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ask(signum, frame) -> None:
+        try:
+            run.request_stop()
+            print(f"{signal.Signals(signum).name}: the workers checkpoint and stop at their next step", flush=True)
+        except OSError as err:
+            print(f"{signal.Signals(signum).name}: cannot ask the workers to stop ({err})", flush=True)
+
+    previous = {signum: signal.signal(signum, ask) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _ray():

@@ -52,6 +52,9 @@ def requeue_self() -> str:
     return f"requeued SLURM job {job}: it continues from the checkpoint when it starts again"
 
 
+SCRIPT_MARK = "#!/bin/bash\n# workbench slurm"  # how a script this command wrote begins
+
+
 @dataclass
 class SbatchPlan:
     script: str
@@ -99,7 +102,7 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
               "--nproc", str(nproc), "--resume", "auto", "--requeue"]
     inner = (shlex.join(launch) + ' --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"'
              ' --master "$MASTER_ADDR:$MASTER_PORT"')
-    lines = ["#!/bin/bash", f"# workbench slurm {shlex.join([str(recipe_path), *overrides])}",
+    lines = [f"{SCRIPT_MARK} {shlex.join([str(recipe_path), *overrides])}",
              f"#SBATCH --job-name={recipe.name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
@@ -107,6 +110,9 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
                         ("account", account)):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
+    if any(c.isspace() for c in str(log)):  # sbatch reads a directive's value up to the first space
+        raise RecipeError(f"output.dir: {run_dir} holds a space, which an #SBATCH --output line cannot carry; "
+                          "choose a folder without one")
     lines += [f"#SBATCH --output={log}", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
     if signal_before_s:
         lines.append(f"#SBATCH --signal=USR1@{signal_before_s}")
@@ -120,6 +126,8 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + inner)}",
     ]
     text = "\n".join(lines) + "\n"
+    if path.exists() and not (path.is_file() and path.read_text(errors="replace").startswith(SCRIPT_MARK)):
+        raise RecipeError(f"--script: {path} exists and is not a script `workbench slurm` wrote; choose a new path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

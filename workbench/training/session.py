@@ -51,6 +51,14 @@ from .parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksum
 from ..run_summary import PEAK_MEMORY_MB, RunSummary
 
 
+def clear_stop_request(run: RunDir) -> None:
+    try:
+        run.stop_request.unlink(missing_ok=True)
+    except OSError as err:  # a folder in its place
+        raise WorkbenchError(f"{run.stop_request}: cannot clear the stop request ({err.strerror or err}); remove it "
+                             "and start again") from None
+
+
 class TrainingSession:
     """One run of a recipe in this process (one of N when launched with `accelerate launch`); its state lives here."""
 
@@ -198,7 +206,7 @@ class TrainingSession:
         """Called once data and model are ready: only now is the run directory written."""
         run, recipe = self.run_dir, self.recipe
         if self.main:
-            run.stop_request.unlink(missing_ok=True)  # a request the run it was meant for has answered
+            clear_stop_request(run)  # a request the run it was meant for has answered
             if self.resume:
                 self.resuming.check_data(self.data.stats)
             else:
