@@ -13,7 +13,7 @@ from workbench.runs import COMPARE_COLUMNS
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = {"DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
           "compare", "estimate", "evaluate", "export", "generate", "launch", "list_runs", "load_run", "merge",
-          "plot_compare", "preview_data", "push", "train"}
+          "plot_compare", "preview_data", "push", "ray_train", "train"}
 
 
 @pytest.fixture(scope="module")

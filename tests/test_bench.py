@@ -51,4 +51,5 @@ def test_profile_steps_runs_and_names_the_matmul_shapes(tmp_path):
     text = out.read_text()
     assert "by host time:" in text and "aten::mm:" in text and "% of all operators' self time" in text
     shapes = text.split("GFLOP/s alone):")[1].strip().splitlines()
-    assert shapes and all(line.strip().startswith("[[") and float(line.split()[-1]) > 0 for line in shapes)
+    assert shapes and all(line.strip().startswith("[[") and float(line.split()[-1]) >= 0 for line in shapes)
+    assert max(float(line.split()[-1]) for line in shapes) > 0  # a small matmul's share may round to 0

@@ -53,6 +53,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce."""
+    run_dir = tmp_path_factory.mktemp("crash") / "reference"
+    code, out = finish(start(run_dir, "output.save_every=null"))
+    assert code == 0, out
+    return adapter(run_dir)
+
+
 def test_kill_9_at_a_random_step_then_resume(tmp_path, reference):
     seed = random.randrange(10**6)
     kill_at = random.Random(seed).randint(3, STEPS - 2)
