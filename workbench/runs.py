@@ -426,6 +426,13 @@ class TrainResult:
         return summary_html(Path(self.run_dir).name, self.summary)
 
 
+def read_result(path: str | Path, summary: dict | None = None) -> TrainResult:
+    """A run's result read back from its files (`summary`: instead of run.json's, e.g. a rank other than 0's)."""
+    run = RunDir(path)
+    return TrainResult(run.path, run.read_json()["summary"] if summary is None else summary,
+                       metrics_frame(read_metrics(run.metrics)))
+
+
 def metrics_frame(rows: list[dict]):
     import pandas as pd
 

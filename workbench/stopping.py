@@ -74,6 +74,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._at_once = False
         self._fired: int | None = None  # a signal that came inside `interruptible`
+        self._file_checked = float("-inf")
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
@@ -94,6 +95,14 @@ class StopRequest:
         """Ask the loop to stop at the next step boundary, as the signal would: from any thread."""
         if self.signum is None:
             self.signum, self._since = signum, time.monotonic()
+
+    def poll_file(self, path, every_s: float = 1.0) -> None:
+        """A request file (`workbench stop`) counts as SIGTERM; looked at no more than once every `every_s`."""
+        now = time.monotonic()
+        if now - self._file_checked >= every_s:
+            self._file_checked = now
+            if os.path.exists(path):
+                self.request(signal.SIGTERM)
 
     def _record(self, signum: int, frame) -> None:
         now = time.monotonic()

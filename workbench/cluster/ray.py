@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import Interrupted, RecipeError, WorkbenchError
 from ..preflight import check_data_files
 from ..recipe import Recipe
-from ..runs import RunDir, TrainResult
+from ..runs import RunDir, TrainResult, read_result
 
 
 def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_gpu: bool = False,
@@ -60,9 +60,7 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
     finally:
         if started_here:
             ray.shutdown()
-    from ..training.entry import load_result
-
-    result = load_result(recipe.run_dir)
+    result = read_result(recipe.run_dir)
     if result.summary.get("status") == "interrupted":
         latest = RunDir(recipe.run_dir).latest_checkpoint()
         raise Interrupted(f"{recipe.run_dir}: stopped on request, checkpoint {latest[1].name if latest else '(none)'} "

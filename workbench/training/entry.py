@@ -11,7 +11,7 @@ from ..cluster.env import check_launch_env
 from ..quiet import leaves_the_process_as_found, quiet_libraries
 from ..recipe import Recipe
 from ..resume import AUTO_RESUME, auto_resume
-from ..runs import RunDir, TrainResult
+from ..runs import RunDir, TrainResult, read_result
 from .session import TrainingSession
 
 
@@ -43,19 +43,10 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool | str = Fal
         decision = auto_resume(RunDir(recipe.run_dir))
         if decision == "done":  # a job restarted after its run completed: nothing left to train
             print(f"{recipe.run_dir}: the run has completed; nothing to resume", flush=True)
-            return load_result(recipe.run_dir)
+            return read_result(recipe.run_dir)
         resume, overwrite = decision == "resume", decision == "replace"
     heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
     session = TrainingSession(recipe, resume=resume, overwrite=overwrite, progress_bar=progress_bar, started=started)
     session.auto_resume = auto
     session.setup()
     return session.execute()
-
-
-def load_result(run_dir) -> TrainResult:
-    """A completed run's result, read back from its files."""
-    from ..metrics import read_metrics
-    from ..runs import metrics_frame
-
-    run = RunDir(run_dir)
-    return TrainResult(run.path, run.read_json()["summary"], metrics_frame(read_metrics(run.metrics)))

@@ -40,7 +40,7 @@ from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
 from ..recipe import Recipe
 from ..resume import ResumePlan, agree_on_resume
-from ..runs import RunDir, TrainResult, environment, metrics_frame, process_owner
+from ..runs import RunDir, TrainResult, environment, process_owner, read_result
 from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from ..layout_choice import resolve as resolve_layout
 from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
@@ -137,8 +137,7 @@ class TrainingSession:
             run.release()
             release_accelerator_state()
         # rank 0's summary is run.json's, with what was recorded at the start
-        summary = run.read_json()["summary"] if self.main else self.summary.at_end()
-        return TrainResult(run.path, summary, metrics_frame(read_metrics(run.metrics)))
+        return read_result(run.path, None if self.main else self.summary.at_end())
 
     def record_failure(self, err: BaseException) -> BaseException | None:
         """The failure in run.json; returns the error a stalled collective is better named as (or None)."""
@@ -358,8 +357,7 @@ class TrainingSession:
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
         self.watch.observe(state.step + 1, step_loss, grad_norm)
         decides = self.reads_every_step or _reports_after(state.step + 1, self.total_steps, self.recipe.output)
-        if run.stop_request.exists():  # `workbench stop`: what a signal does, where none can be sent (Ray's threads)
-            self.stop.request(signal.SIGTERM)
+        self.stop.poll_file(run.stop_request)  # `workbench stop`: a signal where none can be sent (Ray's threads)
         first_bad, signum = agree(accelerator, self.watch.first if decides else None, self.stop, self.signal_group)
         if signum and not decides:  # stopping here: the checkpoint it writes must be checked first
             first_bad, signum = agree(accelerator, self.watch.first, self.stop)
