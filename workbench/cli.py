@@ -147,6 +147,8 @@ def _add_training_commands(sub) -> None:
     ray.add_argument("--gpu", action="store_true", help="one GPU per worker")
     ray.add_argument("--max-failures", type=int, default=2, help="restarts of the worker group (default 2)")
     ray.add_argument("--address", default=None, help="a running Ray cluster (default: start one for this run)")
+    ray.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier run in the run directory (otherwise its last checkpoint continues)")
 
     slurm = _recipe_command(sub, "slurm", "write (and with --submit, submit) an sbatch script that runs the recipe on "
                                     "SLURM, requeued and resumed by itself", _slurm)
@@ -154,7 +156,8 @@ def _add_training_commands(sub) -> None:
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per machine (0: a CPU job)")
     slurm.add_argument("--nproc-per-node", type=int, default=None,
                        help="processes per machine (default: --gpus-per-node, or 1)")
-    slurm.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each machine's launcher and ranks")
+    slurm.add_argument("--cpus-per-task", type=int, default=None,
+                       help="CPUs for each machine's launcher and ranks (default: one per process)")
     slurm.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--account", default=None)
@@ -299,12 +302,15 @@ def _resume_of(args) -> bool | str:
     return "auto" if args.resume_auto else args.resume
 
 
-def _stop_flags(args) -> None:
-    """--stop-signal and --requeue, checked before anything loads; the signal reaches launched ranks by the env."""
+def _stop_flags(args, here: bool = True) -> None:
+    """--stop-signal and --requeue, checked before anything loads. `here`: this process trains, and its stop
+    signals are read from its environment (a launcher gives the signal to its ranks in theirs instead)."""
     from .stopping import STOP_SIGNAL_ENV, parse_signal
 
     if args.stop_signal is not None:
-        os.environ[STOP_SIGNAL_ENV] = signal.Signals(parse_signal(args.stop_signal)).name
+        name = signal.Signals(parse_signal(args.stop_signal)).name
+        if here:
+            os.environ[STOP_SIGNAL_ENV] = name
     if args.requeue:
         from .cluster.slurm import check_requeue_possible
 
@@ -347,14 +353,14 @@ def _launch(args) -> int:
 
     if args.recipe is None:
         raise WorkbenchError("launch needs a recipe file")
-    _stop_flags(args)
+    _stop_flags(args, here=False)
     resume = _resume_of(args)
     train_args = (["--no-progress"] + (["--resume=auto"] if resume == "auto" else ["--resume"] if resume else [])
                   + (["--overwrite"] if args.overwrite else []) + (["--requeue"] if args.requeue else []))
     pod = launch_defaults()  # a Kubernetes pod's PET_* and MASTER_* variables; flags win
     plan = plan_launch(args.recipe, args.overrides, nproc=_given(args.nproc, pod.nproc),
                        nnodes=_given(args.nnodes, pod.nnodes), node_rank=_given(args.node_rank, pod.node_rank),
-                       master=_given(args.master, pod.master), train_args=train_args)
+                       master=_given(args.master, pod.master), train_args=train_args, stop_signal=args.stop_signal)
     if pod.source:
         print(f"# defaults from {pod.source}", flush=True)
     print(plan.shell(), flush=True)
@@ -370,7 +376,8 @@ def _ray(args) -> int:
     if args.recipe is None:
         raise WorkbenchError("ray needs a recipe file")
     result = ray_train(Recipe.load(args.recipe, args.overrides), num_workers=args.workers, use_gpu=args.gpu,
-                       cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures, address=args.address)
+                       cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures, address=args.address,
+                       overwrite=args.overwrite)
     _print_summary(result.run_dir, result.summary)
     return 0
 
@@ -569,6 +576,11 @@ def _stop(args) -> int:
         run.dir.request_stop()
     except OSError as err:
         raise WorkbenchError(f"{run.dir.stop_request}: cannot write the stop request ({err.strerror or err})") from None
+    ended = load_run(args.run).summary.get("status")
+    if ended != "running":  # it finished (or died) while the request was being written: nobody will read it
+        run.dir.stop_request.unlink(missing_ok=True)
+        raise WorkbenchError(f"{run.path}: the run ended (status {ended}) before it could read the stop request; "
+                             "nothing to stop")
     print(f"{run.path}: asked to stop at its next step; it saves a checkpoint first and ends as a SIGTERM would "
           "(run the same command with --resume, or --resume auto, to continue)")
     return 0

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from .cluster.env import check_launch_env
 from .errors import RecipeError, WorkbenchError
 from .hardware.current import available_cpus, local_kind
 from .precision import resolve as resolve_precision
-from .stopping import warning_signals
+from .stopping import STOP_SIGNAL_ENV, parse_signal, warning_signals
 from .strategies import FSDP, ZERO2
 
 
@@ -44,9 +45,14 @@ class LaunchPlan:
 
 
 def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, nproc: int = 1, nnodes: int = 1,
-                node_rank: int = 0, master: str = "127.0.0.1:29500", train_args: list[str] | None = None) -> LaunchPlan:
+                node_rank: int = 0, master: str = "127.0.0.1:29500", train_args: list[str] | None = None,
+                stop_signal: str | None = None) -> LaunchPlan:
+    """The command that runs the recipe on nproc x nnodes processes; `stop_signal` (a name, e.g. USR2) is one
+    more signal that checkpoints and stops every rank, given to them in the command's environment."""
     from .recipe import Recipe
     from .trackers import check_tracker_packages
+
+    check_launch_env()  # a stale RANK (or MASTER_ADDR) in this shell would reach every rank
 
     if nproc < 1 or nnodes < 1:
         raise RecipeError("--nproc and --nnodes: must be at least 1")
@@ -61,9 +67,10 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     # accelerate's flag wants a concrete mode; each rank resolves the recipe again on its own device
     mixed_precision = resolve_precision(recipe, local_kind()).mixed_precision
     train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]
+    stop = {STOP_SIGNAL_ENV: signal.Signals(parse_signal(stop_signal)).name} if stop_signal else {}
     world = nproc * nnodes
     if world == 1:
-        return LaunchPlan([sys.executable, *train], {}, recipe.run_dir, 1)
+        return LaunchPlan([sys.executable, *train], stop, recipe.run_dir, 1)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
                "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", host,
                "--main_process_port", port, "--mixed_precision", mixed_precision,
@@ -72,7 +79,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
         # the machines must find each other within startup_timeout_s, not torchrun's default 10 minutes
         command += ["--rdzv_backend", "static", "--same_network",
                     "--rdzv_conf", f"timeout={math.ceil(recipe.distributed.startup_timeout_s)}"]
-    env = {"NUM_NODES": str(nnodes)}
+    env = {**stop, "NUM_NODES": str(nnodes)}
     if not torch.cuda.is_available():  # the CPUs this machine (or pod: its CPU quota) really gives
         env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, available_cpus()[0] // nproc))
     return LaunchPlan(command + train, env, recipe.run_dir, nproc, nnodes, master,
@@ -94,7 +101,7 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     env = {**os.environ, **plan.env}
     started = time.time()
     # stderr passes through a reader that also watches for the launcher's rendezvous failures
-    warnings = warning_signals()
+    warnings = warning_signals(env)
     # torchrun dies of SIGUSR1 (and of a configured stop signal) by default, taking no checkpoint: the launcher
     # starts with them ignored (its ranks install their own handlers), and this process passes them on
     process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -47,17 +48,17 @@ def parse_signal(text: str, what: str = "--stop-signal") -> int:
     return int(found)
 
 
-def stop_signals() -> tuple[int, ...]:
-    """STOP_SIGNALS and the one named in WORKBENCH_STOP_SIGNAL."""
-    named = os.environ.get(STOP_SIGNAL_ENV, "").strip()
+def stop_signals(env: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """STOP_SIGNALS and the one named in WORKBENCH_STOP_SIGNAL (of `env`, default this process's)."""
+    named = (os.environ if env is None else env).get(STOP_SIGNAL_ENV, "").strip()
     extra = parse_signal(named, STOP_SIGNAL_ENV) if named else None
     return STOP_SIGNALS + ((extra,) if extra and extra not in STOP_SIGNALS else ())
 
 
-def warning_signals() -> tuple[int, ...]:
+def warning_signals(env: Mapping[str, str] | None = None) -> tuple[int, ...]:
     """The stop signals a launcher must survive and pass on to its ranks itself: it dies of them by default
     (torchrun handles SIGINT and SIGTERM on its own)."""
-    return tuple(s for s in stop_signals() if s not in (signal.SIGINT, signal.SIGTERM))
+    return tuple(s for s in stop_signals(env) if s not in (signal.SIGINT, signal.SIGTERM))
 
 
 class StopNow(BaseException):

@@ -80,6 +80,7 @@ def test_a_half_configured_env_is_refused_naming_both_before_anything_trains(mon
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0"}, "MASTER_ADDR"),
     ({"PET_NNODES": "1:4"}, "elastic"),
     ({"PET_NPROC_PER_NODE": "two"}, "PET_NPROC_PER_NODE"),
+    ({"RANK": "3"}, "RANK is set ('3') but WORLD_SIZE is not"),  # a stale RANK would reach every rank
 ])
 def test_a_half_configured_pod_is_refused_by_launch(monkeypatch, capsys, env, named):
     for key, value in env.items():
@@ -174,9 +175,14 @@ def test_slurm_writes_a_requeueable_script_with_the_jobs_own_port(tmp_path, caps
                  "--nproc 8 --resume auto --requeue", '--node-rank "$SLURM_NODEID"'):
         assert line in text, line
     assert f"#SBATCH --output={tmp_path}/runs/tiny-%j.log" in text  # beside the run directory, appended
+    assert "#SBATCH --cpus-per-task=8" in text  # one CPU per process at least: SLURM's default is one per task
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert main(["slurm", RECIPE, "--nodes", "0"]) == 2
     assert "--nodes: must be at least 1" in capsys.readouterr().err
+    for cpus in ("0", "-1", "1"):
+        assert main(["slurm", RECIPE, "--nproc-per-node", "2", "--cpus-per-task", cpus, "--script",
+                     str(script)]) == 2
+        assert "--cpus-per-task: " + cpus + " CPUs for 2 processes per machine" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -251,3 +257,34 @@ def test_a_count_in_other_digits_is_refused_in_one_line(monkeypatch, capsys):
     monkeypatch.setenv("PET_NNODES", "²")
     assert main(["launch", RECIPE, "--dry-run"]) == 2
     assert "PET_NNODES" in capsys.readouterr().err
+
+
+def test_the_printed_launch_command_carries_the_stop_signal(capsys):
+    for nproc in ("1", "2"):
+        assert main(["launch", RECIPE, "--nproc", nproc, "--dry-run", "--stop-signal", "usr2"]) == 0
+        assert f"{STOP_SIGNAL_ENV}=SIGUSR2 " in capsys.readouterr().out  # run as printed, it stops on USR2 too
+    assert STOP_SIGNAL_ENV not in os.environ  # given to the ranks in their environment, not set in this one
+
+
+def test_workbench_stop_says_so_when_the_run_ends_as_the_request_is_written(tmp_path, capsys, monkeypatch):
+    from workbench.runs import RunDir, process_owner
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"summary": {"status": "running", "owner": process_owner()}, "env": {}}
+    (run / "run.json").write_text(json.dumps(record))
+    written = RunDir.request_stop
+
+    def the_run_completes_meanwhile(self):
+        written(self)
+        (run / "run.json").write_text(json.dumps({**record, "summary": {"status": "completed"}}))
+
+    monkeypatch.setattr(RunDir, "request_stop", the_run_completes_meanwhile)
+    lock = RunLock(run)
+    lock.acquire()  # a live run holds its directory
+    try:
+        assert main(["stop", str(run)]) == 1
+    finally:
+        lock.release()
+    assert "the run ended (status completed) before it could read the stop request" in capsys.readouterr().err
+    assert not (run / "STOP").exists()  # no request left behind for a later run of the folder

@@ -3,6 +3,7 @@ makes Ray restart the group, which resumes from the last checkpoint and ends wit
 uninterrupted two-process torchrun run. Skipped, saying why, where Ray is not installed."""
 
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from workbench.recipe import Recipe
 from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
     summary, wait_for
 
-STEPS = 10
+STEPS = 16  # room for a restart and a stop mid-run
 RUN = [*COMMON, f"training.max_steps={STEPS}", "output.save_every=2", "distributed.strategy=ddp"]
 
 
@@ -32,7 +33,10 @@ def ray_workers() -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+def test_a_ray_run_survives_a_killed_worker_and_a_sigterm_and_ends_as_an_uninterrupted_one(tmp_path):
+    """--overwrite replaces a completed run once (a restarted group resumes, not replaces); a killed worker is
+    restarted and resumes; a SIGTERM to the driver's whole process group (as `scancel` sends it, Ray's own
+    processes included) checkpoints and exits 143; the same command then completes the run."""
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'lora-workbench[ray]')")
     torchrun = tmp_path / "torchrun"
     code, out = finish(start([sys.executable, "-m", "workbench", "launch", RECIPE, "--nproc", "2", "--master",
@@ -40,13 +44,23 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(t
     assert code == 0, out[-3000:]
 
     run_dir = tmp_path / "ray"
-    process = start([sys.executable, "-m", "workbench", "ray", RECIPE, "--workers", "2", "--max-failures", "1",
-                     f"output.dir={run_dir}", *RUN])
+    shutil.copytree(torchrun, run_dir)  # a completed run, which only --overwrite trains again
+    command = [sys.executable, "-m", "workbench", "ray", RECIPE, "--workers", "2", "--max-failures", "1",
+               f"output.dir={run_dir}", *RUN]
+    process = start([*command, "--overwrite"])
     wait_for(lambda: logged_step(run_dir) >= 3 and ray_workers(), process, what="step 3 under Ray")
     os.kill(max(ray_workers()), signal.SIGKILL)  # one worker gone without a word: Ray restarts the group
-    code, out = finish(process, timeout=400)
+    wait_for(lambda: logged_step(run_dir) >= 6, process, what="step 6 after the restart")
+    os.killpg(process.pid, signal.SIGTERM)
+    code, out = finish(process, timeout=300)
+    assert code == 128 + signal.SIGTERM, out[-4000:]
+    assert "resumed from" in out, out[-4000:]  # the restarted group continued the checkpoint
+    assert summary(run_dir)["status"] == "interrupted"
+    stopped_at = summary(run_dir)["steps"]
+    assert 6 <= stopped_at < STEPS
+
+    code, out = finish(start(command), timeout=300)
     assert code == 0, out[-4000:]
-    assert "resumed from" in out, out[-4000:]
     s = summary(run_dir)
     assert s["status"] == "completed" and s["steps"] == STEPS and s["world_size"] == 2
     assert [step for step, _ in losses(run_dir)] == list(range(1, STEPS + 1))  # no step lost or logged twice

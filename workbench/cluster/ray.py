@@ -26,9 +26,12 @@ from ..runs import RunDir, TrainResult, read_result
 
 
 def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_gpu: bool = False,
-              cpus_per_worker: int = 1, max_failures: int = 2, address: str | None = None) -> TrainResult:
+              cpus_per_worker: int = 1, max_failures: int = 2, address: str | None = None,
+              overwrite: bool = False) -> TrainResult:
     """Train `recipe` on `num_workers` Ray workers (a local Ray started for the call where none runs, or the
-    cluster at `address`); a failed worker group is restarted up to `max_failures` times and resumes the run."""
+    cluster at `address`); a failed worker group is restarted up to `max_failures` times and resumes the run.
+    The run always continues its run directory's last checkpoint (`--resume auto`); `overwrite` replaces an
+    earlier run there first."""
     ray, train_api, TorchTrainer = _ray()
     if not isinstance(recipe, Recipe):
         recipe = Recipe.load(recipe)
@@ -39,6 +42,13 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
         raise RecipeError(f"ray_train: max_failures must be 0 or more, got {max_failures!r}")
     recipe = anchored(recipe, Path.cwd())
     check_data_files(recipe)  # here, in one line, not on every worker after Ray started them
+    run = RunDir(recipe.run_dir)
+    if overwrite:  # here, once: a restarted worker group must resume what the first one wrote, not replace it
+        run.claim(resume=False, overwrite=True)
+        try:
+            run.clear()
+        finally:
+            run.release()
     started_here = not ray.is_initialized()
     if started_here:
         try:
@@ -52,8 +62,14 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
                                                    resources_per_worker={"CPU": cpus_per_worker}),
             run_config=train_api.RunConfig(name=recipe.name, storage_path=str(Path(recipe.run_dir).parent / ".ray"),
                                            failure_config=train_api.FailureConfig(max_failures=max_failures)))
-        with _signals_ask_the_workers_to_stop(RunDir(recipe.run_dir)):
-            trainer.fit()
+        with _signals_ask_the_workers_to_stop(run) as asked:
+            try:
+                trainer.fit()
+            except Exception:
+                # a signal sent to the whole process group reaches Ray's own processes too, and fit() fails once
+                # they are gone: what counts is whether the workers checkpointed and stopped as asked
+                if not (asked and _stopped_on_request(run)):
+                    raise
     except train_api.TrainingFailedError as err:
         raise WorkbenchError(f"ray_train: the run failed on its workers after {max_failures} restart(s): "
                              f"{str(err).strip().splitlines()[-1]}") from None
@@ -62,7 +78,7 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
             ray.shutdown()
     result = read_result(recipe.run_dir)
     if result.summary.get("status") == "interrupted":
-        latest = RunDir(recipe.run_dir).latest_checkpoint()
+        latest = run.latest_checkpoint()
         raise Interrupted(f"{recipe.run_dir}: stopped on request, checkpoint {latest[1].name if latest else '(none)'} "
                           "saved: run the same command to continue", signal.SIGTERM)
     return result
@@ -100,11 +116,13 @@ def anchored(recipe: Recipe, base: Path) -> Recipe:
 def _signals_ask_the_workers_to_stop(run: RunDir):
     """SIGINT/SIGTERM to the driver (Ctrl-C, a scheduler) become a stop request the workers read at their next
     step: they checkpoint and end, and fit() returns; without this Ray's own handler aborts the driver at once."""
+    asked: list[int] = []  # the signals received, for the caller
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield asked
         return
 
     def ask(signum, frame) -> None:
+        asked.append(signum)
         try:
             run.request_stop()
             print(f"{signal.Signals(signum).name}: the workers checkpoint and stop at their next step", flush=True)
@@ -113,10 +131,18 @@ def _signals_ask_the_workers_to_stop(run: RunDir):
 
     previous = {signum: signal.signal(signum, ask) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield asked
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stopped_on_request(run: RunDir) -> bool:
+    """Whether the run's record says it stopped on request (its workers checkpointed and ended)."""
+    try:
+        return run.read_json().get("summary", {}).get("status") == "interrupted"
+    except WorkbenchError:
+        return False
 
 
 def _ray():

@@ -76,6 +76,11 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
     nproc = nproc_per_node if nproc_per_node is not None else max(1, gpus_per_node)
     if nproc < 1:
         raise RecipeError(f"--nproc-per-node: must be at least 1, got {nproc}")
+    # SLURM gives a task one CPU unless told otherwise, and clusters pin tasks to theirs: every rank on one core
+    cpus = nproc if cpus_per_task is None else cpus_per_task
+    if cpus < nproc:
+        raise RecipeError(f"--cpus-per-task: {cpus} CPUs for {nproc} processes per machine; give each process at "
+                          f"least one (--cpus-per-task {nproc} or more)")
     if signal_before_s < 0:
         raise RecipeError(f"--signal-before: seconds, 0 or more, got {signal_before_s}")
     # each value lands on a line of a shell script: a line break (or any control character) would start a command
@@ -106,7 +111,7 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
              f"#SBATCH --job-name={recipe.name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    for flag, value in (("cpus-per-task", cpus_per_task), ("time", time), ("partition", partition),
+    for flag, value in (("cpus-per-task", cpus), ("time", time), ("partition", partition),
                         ("account", account)):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
