@@ -30,6 +30,11 @@ CONFIGS = {
     "lora+adamw_8bit": ["training.optimizer=adamw_8bit"],
     "rslora": ["adapter.rslora=true"],
     "dora": ["adapter.method=dora"],
+    # how the adapter starts (workbench/adapter_init.py) and LoRA+: same recipe, same steps
+    "init-gaussian": ["adapter.init=gaussian"],
+    "init-pissa": ["adapter.init=pissa"],
+    "init-olora": ["adapter.init=olora"],
+    "lora-plus-16": ["adapter.lora_plus_ratio=16"],
     "qlora-nf4": ["adapter.method=qlora", "quantization.bits=4"],
     # peft's k-bit preparation: embeddings, head and norms in float32 (the default keeps the model dtype)
     "qlora-nf4-upcast": ["adapter.method=qlora", "quantization.bits=4", "quantization.upcast_frozen=true"],
@@ -54,12 +59,16 @@ def run_config(name: str, overrides: list[str], args, out: Path) -> dict:
                f"name={name.replace('+', '-')}", f"output.dir={out}/{{name}}", f"model.path={model_path(args.model)}",
                f"training.max_steps={args.steps}", "training.epochs=100", "output.save_every=null",
                "output.eval_every=null", "output.sample_prompts=[]", f"training.micro_batch_size={args.batch}",
-               f"data.max_seq_len={args.seq}", f"training.threads={args.threads}", *overrides]
+               f"data.max_seq_len={args.seq}", f"training.threads={args.threads}", "output.log_every=1", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ})
     if done.returncode != 0:
         return {"name": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    summary = json.loads((out / name.replace("+", "-") / "run.json").read_text())["summary"]
+    run = out / name.replace("+", "-")
+    summary = json.loads((run / "run.json").read_text())["summary"]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first_loss = next((row["loss"] for row in logged if "loss" in row), None)
     return {"name": name, "peak_memory_mb": summary["peak_memory_mb"], "tokens_per_s": summary["tokens_per_s"],
+            "startup_s": summary.get("startup_s"), "first_loss": first_loss,
             "predicted_peak_memory_mb": summary.get("predicted_peak_memory_mb"),
             "trainable_params": summary["trainable_params"], "final_loss": summary["final_loss"],
             "precision": f"{summary['model_dtype']} weights, mixed_precision {summary['mixed_precision']}",
@@ -91,7 +100,7 @@ def main() -> None:
     precision = f"{base['precision']} ({base['precision_reason']})" if base else "see each run"
     print(f"\n{args.model}, {args.steps} steps x {args.batch} x {args.seq} tokens, {args.threads} threads, {precision}")
     print(f"{'configuration':20} {'trainable':>12} {'peak MB':>9} {'x lora':>7} {'tokens/s':>9} {'x lora':>7} "
-          f"{'predicted MB':>12} {'pred/meas':>9}")
+          f"{'predicted MB':>12} {'pred/meas':>9} {'start-up s':>10} {'loss first -> last':>19}")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:20} failed: {r['error']}")
@@ -100,8 +109,10 @@ def main() -> None:
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         predicted = r.get("predicted_peak_memory_mb")
         against = f"{predicted / r['peak_memory_mb']:.2f}" if predicted else "-"
+        startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "-"
+        losses = f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}" if r.get("first_loss") is not None else "-"
         print(f"{r['name']:20} {r['trainable_params']:>12,} {r['peak_memory_mb']:>9.0f} {mem:>7} "
-              f"{r['tokens_per_s']:>9.0f} {speed:>7} {predicted or 0:>12.0f} {against:>9}")
+              f"{r['tokens_per_s']:>9.0f} {speed:>7} {predicted or 0:>12.0f} {against:>9} {startup:>10} {losses:>19}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if any("error" in r for r in rows):

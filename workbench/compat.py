@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import adapter_init
 from .errors import RecipeError
 from .strategies import layout_of, layout_problem
 
@@ -32,6 +33,9 @@ def check_recipe(recipe: "Recipe") -> None:
         raise ValueError("adapter.modules_to_save: has no meaning with method full (every module is trained)")
     if method == "full" and adapter.rslora:
         raise ValueError("adapter.rslora: only applies to LoRA adapters; remove it or choose method lora")
+    problem = adapter_init.recipe_problem(recipe)
+    if problem:
+        raise ValueError(problem)
     preference_data = recipe.data.format == "preference"
     if training.objective == "sft" and preference_data:
         raise ValueError("training.objective: data.format preference holds chosen/rejected pairs; train them with "

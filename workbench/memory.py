@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .adapter_init import startup_cost
 from .errors import RecipeError
 from .hardware.catalogue import Device, get_device
 from .hardware.current import node_count
@@ -251,6 +252,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
     acts = activation_bytes(recipe, info, targets, dev.kind == "cuda")
     runtime = CUDA_CONTEXT if dev.kind == "cuda" else cpu_runtime_bytes() + TOKENIZER_BYTES_PER_ENTRY * info.vocab
     weights = weight_bytes(recipe, info)
+    start = startup_cost(recipe, [(lin.out_features, lin.in_features) for lin in targets] if method != "full" else [])
     terms = {
         "trainable_params": trainable, "trainable_numels": numels, "weights": weights, "adapter": adapter,
         "gradients": gradients, "optimizer": optimizer, "activations": acts["saved"] + acts["loss"],
@@ -262,6 +264,10 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         # with one micro-batch per step, backward frees activations as it creates gradients (and
         # zero_grad(set_to_none) frees those): the two peak one after the other, not together
         "gradients_overlap_activations": int(train.grad_accum == 1),
+        # PiSSA/OLoRA: the starting A0/B0 kept in host memory for the saved adapter's conversion, and the
+        # decomposition of every target weight at start-up (adapter_init.startup_cost)
+        "initial_adapter": start["kept_bytes"], "init_transient": start["transient_bytes"],
+        "init_flops": start["flops"],
     }
     if dev.kind == "cpu":
         # glibc keeps freed heap pages between steps: per-step tensors cost more RSS than their size.
@@ -269,7 +275,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         terms["allocator"] = int((cpu_heap_growth(recipe, info) - 1) * step)
         train_peak = sum(terms[k] for k in ("weights", "adapter", "optimizer", "autocast_copies", "runtime",
                                             "allocator")) + _step_bytes(terms, gradients)
-        load_peak = runtime + weights + loading_transient_bytes(recipe, info, method)
+        load_peak = runtime + weights + max(loading_transient_bytes(recipe, info, method), start["transient_bytes"])
         terms["loading"] = max(0, load_peak - train_peak)
     return terms
 
@@ -475,6 +481,8 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
+    if dev.kind == "cpu":  # elsewhere it is host memory, below
+        other += t["initial_adapter"]
     if layout.shards_weights:
         other += t["gathered_weights"]
     offloaded = 0
@@ -487,7 +495,7 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
     breakdown = {**part, "activations": activations, "other": other}
     per_device = sum(breakdown.values())
-    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes() + offloaded
+    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes() + offloaded + t["initial_adapter"]
     cpu_bytes = local * host
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
     return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
@@ -521,6 +529,15 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
                      "(about 20-30% slower).")
     if dev.kind == "cuda" and not dev.bf16 and recipe.training.mixed_precision == "bf16":
         notes.append(f"{dev.name} has no bf16 tensor cores: use training.mixed_precision=fp16 and model.dtype=float16.")
+    if terms["init_flops"]:
+        from .hardware.probes import cpu_decomposition_rate
+
+        seconds = terms["init_flops"] / cpu_decomposition_rate()
+        took = f"{seconds:.2g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
+        notes.append(f"adapter.init {recipe.adapter.init}: every target weight is decomposed on the CPU at start-up "
+                     f"({terms['init_flops'] / 1e12:.3g} TFLOP, about {took} on this machine's CPU), and "
+                     f"the starting adapter is kept in host memory ({_gib(terms['initial_adapter'])}) to save the "
+                     "trained one for the published base.")
     if dev.kind == "cpu":
         notes.append("CPU figures are process peak RSS (what runs record); the runtime term is measured in a "
                      "fresh process (cached).")

@@ -186,6 +186,12 @@ def _method_section(recipe: dict, summary: dict) -> str:
                 ("dropout", adapter.get("dropout")), ("target modules", _modules(adapter.get("target_modules"))),
                 ("modules trained in full", _modules(adapter.get("modules_to_save"))),
                 ("trainable parameters", _share(summary.get("trainable_params"), summary.get("params")))]
+        init = adapter.get("init") or "default"
+        if init in ("pissa", "olora"):
+            init += " (saved converted: a rank-2r adapter of the published base)"
+        rows.insert(5, ("initialisation", init))
+        if adapter.get("lora_plus_ratio") is not None:
+            rows.insert(6, ("LoRA+ (B's learning rate / A's)", adapter.get("lora_plus_ratio")))
     if adapter.get("method") == "qlora" and quant:
         rows.append(("base weights during training", f"{quant.get('bits')}-bit {quant.get('type')}"
                      + (", double quantization" if quant.get("double_quant") else "")))

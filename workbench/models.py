@@ -169,6 +169,8 @@ def attach_adapter(model, recipe: Recipe):
         return model
     from peft import LoraConfig, get_peft_model
 
+    from . import adapter_init
+
     if recipe.quantization is not None:
         prepare_quantized(model, recipe)
     config = LoraConfig(
@@ -179,6 +181,7 @@ def attach_adapter(model, recipe: Recipe):
         use_rslora=adapter.rslora,
         use_dora=adapter.method == "dora",
         modules_to_save=adapter.modules_to_save,
+        init_lora_weights=adapter_init.peft_value(recipe),
         task_type="CAUSAL_LM",
     )
     try:

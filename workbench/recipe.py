@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .adapter_init import INITS
 from .errors import RecipeError, WorkbenchError
 from .formats import FORMAT_NAMES, FORMATS
 from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
@@ -56,6 +57,17 @@ class AdapterSection(Section):
     )
     rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r).")
     modules_to_save: list[str] | None = Field(None, description="modules trained in full beside the adapter.")
+    init: str = Field("default", description=f"how the adapter starts: {' | '.join(INITS)} "
+                                             "(see workbench/adapter_init.py).")
+    lora_plus_ratio: float | None = Field(None, ge=1, description="LoRA+: B's learning rate is this many times "
+                                                                   "training.lr (e.g. 16); null: one rate.")
+
+    @field_validator("init")
+    @classmethod
+    def _known_init(cls, value):
+        if value not in INITS:
+            raise ValueError(f"must be one of {', '.join(INITS)}, got {value!r}")
+        return value
 
     @field_validator("target_modules")
     @classmethod

@@ -189,6 +189,10 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
     if training.optimizer != "adamw" and layout.strategy == "deepspeed":
         return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
                 "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
+    if layout.strategy == "deepspeed" and layout.shards_weights and recipe.adapter.init in ("pissa", "olora"):
+        # ZeRO-3 partitions the weights as they load: there is no whole weight left to decompose
+        return (f"adapter.init: {recipe.adapter.init} decomposes each whole weight at start-up, which ZeRO-3 has "
+                "already partitioned; use strategy fsdp, zero2, or init default/gaussian")
     q = recipe.quantization
     if q is not None and layout.shards_weights:
         if q.bits == 8:

@@ -155,6 +155,24 @@ def matmul_peak(device_type: str, dtype_name: str, threads: int, size: int = 102
     return float(stored("matmul_peak.json", key, lambda: measured, best=True)[0])
 
 
+@once
+def cpu_decomposition_rate() -> float:
+    """FLOP/s of a float32 SVD on this CPU (a 512 x 512 matrix, counted as 12 n^3), cached per CPU model and torch
+    version: what an adapter init that decomposes every target weight (PiSSA, OLoRA) runs at start-up. Larger
+    matrices run faster, so the estimate it gives errs long."""
+    import torch
+
+    def measure() -> float:
+        size = 512
+        matrix = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+        torch.linalg.svd(matrix, full_matrices=False)  # warm up
+        start = time.perf_counter()
+        torch.linalg.svd(matrix, full_matrices=False)
+        return 12 * size**3 / max(time.perf_counter() - start, 1e-9)
+
+    return float(stored("cpu_decomposition.json", f"{cpu_model_name()}|torch {torch.__version__}", measure)[0])
+
+
 # -- what a training process holds before its model -----------------------------------------------------------
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from ..adapter_init import InitialAdapter, parameter_groups
 from ..distributed import host_transfer
 from ..errors import WorkbenchError
 from ..inference import generate_text
@@ -70,7 +72,7 @@ def adamw_kernel(device_type: str) -> dict:
 
 def build_optimizer(model, recipe: Recipe, device_type: str = "cpu") -> torch.optim.Optimizer:
     cfg = recipe.training
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = parameter_groups(model, recipe)  # one group, or LoRA+'s two
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **adamw_kernel(device_type))
     import bitsandbytes as bnb
@@ -98,11 +100,13 @@ def _window_totals(accelerator, sums, tokens: int, start: float) -> dict:
 
 
 def set_peak_lr(scheduler, lr: float) -> None:
-    """A new peak learning rate for a resumed schedule: the same warmup and decay, scaled."""
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor(scheduler.last_epoch)
+    """A new peak learning rate for a resumed schedule: the same warmup and decay, scaled (each group keeps its
+    scale: LoRA+'s B group stays lora_plus_ratio times the rest)."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
+    for group, peak, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = peak
+        group["lr"] = peak * factor(scheduler.last_epoch)
 
 
 def _rounded(value: float | None) -> float | None:
@@ -128,7 +132,10 @@ def _nonfinite_message(run: RunDir, first_bad: int, step: int, step_loss: torch.
             f"{kept}. Lower training.lr, check the data, or set training.on_nonfinite: skip")
 
 
-def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> None:
+def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
+                 initial: InitialAdapter | None = None) -> None:
+    """The adapter (or a full fine-tune's model) into the run directory. `initial`: the A0/B0 of an init that
+    rewrote the base (PiSSA, OLoRA), from which the adapter is saved converted for the published base."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     state = accelerator.get_state_dict(model)
@@ -138,11 +145,29 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe) -> 
         # previous adapter (or none), never a half-written one
         staging = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(staging, ignore_errors=True)
-        unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        if initial is not None:
+            with converted_config(unwrapped):
+                unwrapped.save_pretrained(staging, state_dict=initial.convert(state), safe_serialization=True)
+        else:
+            unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         write_model_card_or_warn(staging, run.path, "adapter" if recipe.adapter.method != "full" else "merged")
         replace_folder(staging, target)
     accelerator.wait_for_everyone()
+
+
+@contextmanager
+def converted_config(peft_model):
+    """The model's adapter config as a converted init saves it (rank 2r, an init that leaves the base alone),
+    for the length of the save."""
+    from ..adapter_init import converted_config as converted
+
+    original = peft_model.peft_config["default"]
+    peft_model.peft_config["default"] = converted(original)
+    try:
+        yield
+    finally:
+        peft_model.peft_config["default"] = original
 
 
 def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, str]] | None:

@@ -35,6 +35,7 @@ from ..metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
 from .. import checkpoints, objectives
 from ..compat import check_runtime
 from ..model_card import refresh_model_cards
+from .. import adapter_init
 from ..models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
 from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
@@ -184,6 +185,8 @@ class TrainingSession:
         check_runtime(recipe, device_type, self.model_config)
         torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
         model = attach_adapter(load_base_model(recipe), recipe)
+        # PiSSA and OLoRA rewrote the base: their A0/B0, to save the adapter converted for the published base
+        self.initial_adapter = adapter_init.InitialAdapter.of(model) if adapter_init.of(recipe).changes_base else None
         if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
             fast = apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
             if self.data.stats.get("shared_prompts") and not fast["packed_attention"]:
@@ -442,7 +445,7 @@ class TrainingSession:
             _write_eval(self.metrics, accelerator, state.step, eval_final)
             s.eval_final = {f"{k}_final": v for k, v in eval_final.items() if k != "eval_loss"}
             s.eval_loss_final = eval_final["eval_loss"]
-        save_adapter(accelerator, self.model, self.tokenizer, self.run_dir, self.recipe)
+        save_adapter(accelerator, self.model, self.tokenizer, self.run_dir, self.recipe, self.initial_adapter)
         if self.samples is not None:
             after = _sample_generations(self.recipe, self.model, self.tokenizer, accelerator)
             s.samples = [{"prompt": p, "before": b, "after": a} for (p, b), (_, a) in zip(self.samples, after)]

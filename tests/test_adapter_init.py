@@ -1,0 +1,158 @@
+"""adapter.init and LoRA+: each init is peft's own for the same seed; an adapter trained from PiSSA/OLoRA is saved
+converted and gives, on the published base, the model training ended with; a resumed run equals an uninterrupted
+one; LoRA+ puts B at ratio x lr through the whole schedule and a resume with a new lr; bad input is one line."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench import train
+from workbench.adapter_init import InitialAdapter, converted_config, parameter_groups
+from workbench.cli import main
+from workbench.errors import RecipeError
+from workbench.model_configs import target_modules
+from workbench.models import attach_adapter, load_base_model
+from workbench.recipe import Recipe
+from workbench.runs import RunDir
+
+FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
+
+
+def tiny(*overrides: str, out=None) -> Recipe:
+    return Recipe.load("recipes/tiny.yaml", [*FP32, *overrides, *([f"output.dir={out}"] if out else [])])
+
+
+@pytest.mark.parametrize("init, peft_value", [("default", True), ("gaussian", "gaussian"), ("pissa", "pissa"),
+                                              ("olora", "olora")])
+def test_each_init_is_pefts_own_for_the_same_seed(init, peft_value):
+    from peft import LoraConfig, get_peft_model
+
+    recipe = tiny(f"adapter.init={init}")
+    torch.manual_seed(0)
+    ours = dict(attach_adapter(load_base_model(recipe), recipe).named_parameters())
+    torch.manual_seed(0)
+    a = recipe.adapter
+    reference = get_peft_model(load_base_model(recipe), LoraConfig(
+        r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=target_modules(a),
+        init_lora_weights=peft_value, task_type="CAUSAL_LM"))
+    theirs = dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert max(float((ours[k] - theirs[k]).detach().abs().max()) for k in ours) == 0.0  # base weights included (PiSSA's W_res)
+    if init in ("pissa", "olora"):
+        plain = dict(load_base_model(recipe).named_parameters())
+        q_proj = next(k for k in ours if k.endswith("q_proj.base_layer.weight"))
+        assert not torch.equal(ours[q_proj], plain[q_proj.replace("base_model.model.", "").replace(".base_layer", "")])
+
+
+@pytest.mark.parametrize("init, rslora", [("pissa", False), ("olora", True)])
+def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_path, init, rslora):
+    from peft import PeftModel
+
+    recipe = tiny(f"adapter.init={init}", f"adapter.rslora={str(rslora).lower()}")
+    torch.manual_seed(0)
+    model = attach_adapter(load_base_model(recipe), recipe)
+    start = InitialAdapter.of(model)
+    with torch.no_grad():  # as training would: every adapter weight moved
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.eval()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        trained = model(ids).logits
+    original = model.peft_config["default"]
+    model.peft_config["default"] = converted_config(original)
+    model.save_pretrained(tmp_path, state_dict=start.convert(model.state_dict()))
+    model.peft_config["default"] = original
+    loaded = PeftModel.from_pretrained(load_base_model(recipe), tmp_path).eval()
+    assert loaded.peft_config["default"].r == 2 * recipe.adapter.r
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, trained, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_pissa_run_with_lora_plus_resumes_exactly_and_its_adapter_scores_what_training_measured(tmp_path):
+    from workbench.evaluation import evaluate
+
+    steps = ["adapter.init=pissa", "adapter.lora_plus_ratio=4", "training.max_steps=6", "output.save_every=3",
+             "output.log_every=1", "output.eval_every=null", "adapter.dropout=0"]
+    whole = train(tiny(*steps, out=tmp_path / "whole"), progress_bar=False)
+    losses = [row["loss"] for row in _rows(whole.run_dir) if "loss" in row]
+    assert losses[-1] < losses[0]
+    # the saved adapter is converted: on the published base it scores the eval loss the run measured at its end
+    report = evaluate(whole.run_dir)
+    assert report["tuned"]["eval_loss"] == pytest.approx(whole.summary["eval_loss_final"], rel=1e-5)
+
+    cut = tmp_path / "cut"
+    shutil.copytree(whole.run_dir, cut)
+    run = RunDir(cut)
+    shutil.rmtree(run.checkpoint(6))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})  # as a killed run leaves it
+    resumed = train(tiny(*steps, out=cut), resume=True, progress_bar=False)
+    a, b = load_file(str(whole.run_dir / "adapter/adapter_model.safetensors")), load_file(
+        str(resumed.run_dir / "adapter/adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def _rows(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_and_a_new_lr():
+    from peft.optimizers import create_loraplus_optimizer
+
+    from workbench.training.parts import build_optimizer, build_scheduler, set_peak_lr
+
+    recipe = tiny("adapter.lora_plus_ratio=16", "training.lr=1e-4", "adapter.method=dora")
+    torch.manual_seed(0)
+    model = attach_adapter(load_base_model(recipe), recipe)
+    ours = parameter_groups(model, recipe)
+    theirs = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-4, loraplus_lr_ratio=16).param_groups
+    by_lr = {}
+    for group in (g for g in theirs if g["params"]):  # peft's embedding group is empty here
+        by_lr.setdefault(group["lr"], set()).update(id(p) for p in group["params"])
+    assert {g["lr"]: {id(p) for p in g["params"]} for g in ours} == by_lr  # DoRA's magnitudes go with B, as peft's
+
+    optimizer = build_optimizer(model, recipe)
+    scheduler = build_scheduler(optimizer, recipe, total_steps=10)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    slow, fast = (g["lr"] for g in optimizer.param_groups)
+    assert fast == pytest.approx(16 * slow) and slow > 0
+    set_peak_lr(scheduler, 5e-5)  # a resume that lowers the rate
+    slow, fast = (g["lr"] for g in optimizer.param_groups)
+    assert fast == pytest.approx(16 * slow) and scheduler.base_lrs == pytest.approx([5e-5, 16 * 5e-5])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, got .loftq2."),
+    (["adapter.lora_plus_ratio=0.5"], "adapter.lora_plus_ratio"),
+    (["adapter.init=pissa", "adapter.method=qlora"], "adapter.init: pissa rewrites the base weights"),
+    (["adapter.init=olora", "adapter.method=dora"], "adapter.init: olora with DoRA is not supported"),
+    (["adapter.init=pissa", "adapter.modules_to_save=[lm_head]"], "adapter.modules_to_save is not supported"),
+    (["adapter.lora_plus_ratio=4", "adapter.method=full"], "adapter.lora_plus_ratio: applies to LoRA adapters"),
+    (["adapter.init=olora", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3"],
+     "adapter.init: olora decomposes each whole weight at start-up, which ZeRO-3 has already partitioned"),
+])
+def test_bad_init_settings_are_one_line_naming_the_field(tmp_path, capsys, overrides, message):
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        tiny(*overrides)
+    assert main(["train", "recipes/tiny.yaml", *overrides, f"output.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), err
+
+
+def test_the_estimator_counts_a_decomposing_inits_start_up():
+    from workbench.memory import estimate
+
+    plain, pissa = estimate(tiny()), estimate(tiny("adapter.init=pissa"))
+    assert plain.terms["init_flops"] == 0 and pissa.terms["init_flops"] > 0
+    assert pissa.terms["initial_adapter"] == pissa.terms["adapter"]  # A0/B0: one more copy of the adapter
+    assert pissa.strategies[0]["per_device_bytes"] > plain.strategies[0]["per_device_bytes"]
+    assert any(note.startswith("adapter.init pissa: every target weight is decomposed") for note in pissa.notes)

@@ -1,0 +1,162 @@
+"""How a LoRA adapter starts, and LoRA+: the one home of `adapter.init` and `adapter.lora_plus_ratio`.
+
+Every initialisation is peft's own (`LoraConfig.init_lora_weights`); this module says what each needs and costs,
+which recipes it combines with (read by compat.py, the estimator and the docs), and keeps the saved adapter
+usable on the base model as published:
+
+- default   A random (Kaiming), B = 0: the adapter starts as a no-op.
+- gaussian  A from a normal distribution scaled by 1/r, B = 0.
+- pissa     A and B from the top-r singular vectors of each target weight W, which keeps the residual W - BA in
+            place of W (the base weights change); converges faster than default on many tasks.
+- olora     A and B from a QR decomposition of W; the base weights change the same way.
+
+PiSSA and OLoRA move part of W into the adapter. An adapter trained from them applies to the residual base, not
+to the published one, so it is saved converted (peft's `path_initial_model_for_weight_conversion`, done here on
+the state dict): ΔW = BA - B0A0 = [B, -B0][A; A0], a rank-2r LoRA with the same scaling, which loads on the
+published base like any adapter. The run keeps A0 and B0 (the adapter's size, on the CPU) for that.
+
+LoRA+ (Hayou et al., 2024) trains B with a learning rate `lora_plus_ratio` times A's: the parameter groups are
+the ones peft's `create_loraplus_optimizer` builds (lora_B and every 1-D trained weight in the B group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+INITS = ("default", "gaussian", "pissa", "olora")
+
+
+@dataclass(frozen=True)
+class Init:
+    name: str
+    peft_value: bool | str  # LoraConfig.init_lora_weights
+    changes_base: bool  # the residual base replaces W: the saved adapter is converted
+    decomposes: bool  # an SVD or QR of every target weight at start-up (time and a float32 copy of the weight)
+
+
+TABLE = {
+    "default": Init("default", True, changes_base=False, decomposes=False),
+    "gaussian": Init("gaussian", "gaussian", changes_base=False, decomposes=False),
+    "pissa": Init("pissa", "pissa", changes_base=True, decomposes=True),
+    "olora": Init("olora", "olora", changes_base=True, decomposes=True),
+}
+
+
+def of(recipe) -> Init:
+    return TABLE[recipe.adapter.init]
+
+
+def recipe_problem(recipe) -> str | None:
+    """Why the recipe's init (or LoRA+ ratio) cannot run, in one line naming the field; None when it can."""
+    adapter = recipe.adapter
+    init = of(recipe)
+    if adapter.method == "full" and (adapter.init != "default" or adapter.lora_plus_ratio is not None):
+        field = "adapter.init" if adapter.init != "default" else "adapter.lora_plus_ratio"
+        return f"{field}: applies to LoRA adapters; method full trains every weight (remove it or choose lora)"
+    if init.changes_base and recipe.quantization is not None:
+        return (f"adapter.init: {adapter.init} rewrites the base weights as a residual, which a quantized base "
+                "cannot hold; use init default or gaussian with QLoRA")
+    if init.changes_base and adapter.method == "dora":
+        return (f"adapter.init: {adapter.init} with DoRA is not supported (the magnitude vector is computed from the "
+                "weight the init rewrites); use method lora, or init default/gaussian with dora")
+    if init.changes_base and adapter.modules_to_save:
+        return (f"adapter.init: {adapter.init} with adapter.modules_to_save is not supported (the saved adapter is "
+                "converted for the published base, and a module trained in full would keep the residual)")
+    return None
+
+
+def peft_value(recipe) -> bool | str:
+    return of(recipe).peft_value
+
+
+# -- the saved adapter ---------------------------------------------------------------------------------
+
+
+@dataclass
+class InitialAdapter:
+    """A0 and B0 of every LoRA layer, by their state-dict names (the adapter's size, kept on the CPU)."""
+
+    weights: dict[str, "torch.Tensor"]
+
+    @classmethod
+    def of(cls, model) -> "InitialAdapter":
+        return cls({name: param.detach().to("cpu", copy=True) for name, param in model.named_parameters()
+                    if ".lora_A." in name or ".lora_B." in name})
+
+    def convert(self, state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+        """The trained adapter's state dict as a rank-2r adapter of the published base: A' = [A; A0] and
+        B' = [B, -B0], so that B'A' = BA - B0A0 (what training added to the published W)."""
+        import torch
+
+        converted = dict(state)
+        initial = {_plain(name): tensor for name, tensor in self.weights.items()}
+        for name, tensor in state.items():
+            start = initial.get(_plain(name))
+            if start is None:
+                continue
+            start = start.to(tensor.dtype)
+            if ".lora_A." in name:
+                converted[name] = torch.cat([tensor, start], dim=0)
+            elif ".lora_B." in name:
+                converted[name] = torch.cat([tensor, -start], dim=1)
+        return converted
+
+
+def _plain(name: str) -> str:
+    """A LoRA weight's name as the saved state dict spells it (no wrapper prefixes, no adapter name)."""
+    name = name.replace(".default.", ".")
+    for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name[name.index("base_model."):] if "base_model." in name else name
+
+
+def converted_config(config):
+    """The saved adapter's LoraConfig: rank 2r, the same scaling, and an init that leaves the base alone."""
+    import copy
+
+    config = copy.deepcopy(config)
+    config.r = 2 * config.r
+    config.lora_alpha = config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2)
+    config.init_lora_weights = True
+    if config.rank_pattern or config.alpha_pattern:
+        raise ValueError("rank_pattern/alpha_pattern with a converted init")
+    return config
+
+
+# -- LoRA+ -------------------------------------------------------------------------------------------
+
+
+def parameter_groups(model, recipe) -> list[dict]:
+    """The optimizer's parameter groups: one at training.lr, and with LoRA+ a second (lora_B and the 1-D trained
+    weights) at lr x lora_plus_ratio. Each group says its scale (`lr_scale`) so a resume with a new lr keeps it."""
+    lr, ratio = recipe.training.lr, recipe.adapter.lora_plus_ratio
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if ratio is None:
+        return [{"params": [p for _, p in trained], "lr": lr, "lr_scale": 1.0}]
+    fast = [p for name, p in trained if "lora_B" in name or p.ndim == 1]
+    slow = [p for name, p in trained if not ("lora_B" in name or p.ndim == 1)]
+    return [{"params": slow, "lr": lr, "lr_scale": 1.0}, {"params": fast, "lr": lr * ratio, "lr_scale": ratio}]
+
+
+# -- what the estimator counts -----------------------------------------------------------------------
+
+
+def startup_cost(recipe, shapes: list[tuple[int, int]]) -> dict:
+    """The init's start-up work for target weights of these (out, in) shapes: floating-point operations (an SVD
+    of an m x n matrix, about 4mn·min(m,n) + 8min(m,n)^3 at LAPACK's rates; a QR, 2mn·min) and the largest
+    transient (a float32 copy of the weight and its factors), and the kept A0/B0 copy of a converted init."""
+    init = of(recipe)
+    if not init.decomposes or not shapes:
+        return {"flops": 0, "transient_bytes": 0, "kept_bytes": 0}
+    flops, transient = 0, 0
+    for m, n in shapes:
+        k = min(m, n)
+        flops += 2 * m * n * k if init.name == "olora" else 4 * m * n * k + 8 * k**3
+        transient = max(transient, 4 * (m * n + m * k + k * n + k))
+    kept = 4 * recipe.adapter.r * sum(m + n for m, n in shapes) if init.changes_base else 0
+    return {"flops": int(flops), "transient_bytes": int(transient), "kept_bytes": int(kept)}
