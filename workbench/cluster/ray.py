@@ -62,14 +62,8 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
                                                    resources_per_worker={"CPU": cpus_per_worker}),
             run_config=train_api.RunConfig(name=recipe.name, storage_path=str(Path(recipe.run_dir).parent / ".ray"),
                                            failure_config=train_api.FailureConfig(max_failures=max_failures)))
-        with _signals_ask_the_workers_to_stop(run) as asked:
-            try:
-                trainer.fit()
-            except Exception:
-                # a signal sent to the whole process group reaches Ray's own processes too, and fit() fails once
-                # they are gone: what counts is whether the workers checkpointed and stopped as asked
-                if not (asked and _stopped_on_request(run)):
-                    raise
+        with _signals_ask_the_workers_to_stop(run):
+            trainer.fit()
     except train_api.TrainingFailedError as err:
         raise WorkbenchError(f"ray_train: the run failed on its workers after {max_failures} restart(s): "
                              f"{str(err).strip().splitlines()[-1]}") from None
@@ -115,14 +109,14 @@ def anchored(recipe: Recipe, base: Path) -> Recipe:
 @contextmanager
 def _signals_ask_the_workers_to_stop(run: RunDir):
     """SIGINT/SIGTERM to the driver (Ctrl-C, a scheduler) become a stop request the workers read at their next
-    step: they checkpoint and end, and fit() returns; without this Ray's own handler aborts the driver at once."""
-    asked: list[int] = []  # the signals received, for the caller
+    step: they checkpoint and end, and fit() returns; without this Ray's own handler aborts the driver at once.
+    A signal to the driver's whole process group also reaches the Ray this driver started (same group): its GCS
+    dies of it and Ray ends the driver with exit 1; signal the driver's PID (or use `workbench stop`)."""
     if threading.current_thread() is not threading.main_thread():
-        yield asked
+        yield
         return
 
     def ask(signum, frame) -> None:
-        asked.append(signum)
         try:
             run.request_stop()
             print(f"{signal.Signals(signum).name}: the workers checkpoint and stop at their next step", flush=True)
@@ -131,18 +125,10 @@ def _signals_ask_the_workers_to_stop(run: RunDir):
 
     previous = {signum: signal.signal(signum, ask) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield asked
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def _stopped_on_request(run: RunDir) -> bool:
-    """Whether the run's record says it stopped on request (its workers checkpointed and ended)."""
-    try:
-        return run.read_json().get("summary", {}).get("status") == "interrupted"
-    except WorkbenchError:
-        return False
 
 
 def _ray():
