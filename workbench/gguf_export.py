@@ -243,12 +243,13 @@ def _config(path):
 def _run_model_config(run):
     """The config of the model a run tunes: its saved full model, or the base its adapter applies to."""
     from .inference import check_adapter
-    from .models import resolve_model_path
 
     if run.dir.model.exists():
         return _config(run.dir.model)
     check_adapter(run.path, run.adapter_dir)
-    return _config(resolve_model_path(run.checked_recipe().model.path))
+    from .models import load_config
+
+    return load_config(run.checked_recipe().model)  # with the run's model.rope_scaling, as it trained
 
 
 @contextmanager

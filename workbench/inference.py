@@ -166,8 +166,14 @@ def tokenizer_of(path):
 
 
 def hub_options(model_cfg) -> dict:
-    """From the recipe's validated model section (never the raw YAML, where bool("no") is True)."""
-    return {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code is True}
+    """from_pretrained's options for a run's base, from the recipe's validated model section (never the raw YAML,
+    where bool("no") is True): its revision, remote code, and the config its model.rope_scaling stretched."""
+    options = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code is True}
+    if model_cfg.rope_scaling is not None:
+        from .models import load_config
+
+        options["config"] = load_config(model_cfg)
+    return options
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

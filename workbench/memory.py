@@ -26,6 +26,7 @@ from .attention import resolve as resolve_attention
 from .attention import with_implementation as attention_for
 from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype
 from .recipe import Recipe
+from .rope_scaling import context_length
 from .strategies import FSDP, PARTS, Layout, candidates
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -184,7 +185,8 @@ def fit_limits(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, no
     0 where not even the smallest does.
     The same terms as the table, recomputed for each size tried (a doubling, then a bisection)."""
     cache: dict = {}
-    context = min(info.context or MAX_SEQ_LEN, MAX_SEQ_LEN)  # no longer than the model's positions reach
+    # no longer than the model's positions reach (stretched by model.rope_scaling)
+    context = min(context_length(recipe.model, info.context) or MAX_SEQ_LEN, MAX_SEQ_LEN)
 
     def terms_for(key: str, value: int) -> dict:
         if (key, value) not in cache:

@@ -314,6 +314,13 @@ def _loading_section(recipe: dict, kind: str, repo_id: str | None) -> str:
     if _section(recipe, "adapter").get("method") == "qlora":
         text += ("\n\nThe adapter was trained on quantized base weights; it loads onto the unquantized base as "
                  "above (pass a `BitsAndBytesConfig` to quantize it again). `workbench merge` folds it in.")
+    rope = model.get("rope_scaling")
+    if isinstance(rope, dict):
+        text += ("\n\nThe adapter was trained with"
+                 f" the base's positions stretched ({_code(rope.get('type'))} RoPE "
+                 f"scaling, factor {rope.get('factor')}): load the base with the same `rope_parameters` in its "
+                 "config (`workbench.models.load_config` writes them), or the tuned model differs from the one "
+                 "trained. A merged model (`workbench merge`) carries them in its config.")
     return text
 
 

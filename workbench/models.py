@@ -14,6 +14,7 @@ from .hardware.current import current_device, local_kind
 from .metrics import full_numel
 from .model_configs import target_modules
 from .recipe import ModelSection, Recipe
+from .rope_scaling import scaled_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -57,8 +58,9 @@ def load_config(model: ModelSection):
     from transformers import AutoConfig
 
     path = resolve_model_path(model.path)
-    return _hub_call(path, "config", lambda: AutoConfig.from_pretrained(
+    config = _hub_call(path, "config", lambda: AutoConfig.from_pretrained(
         path, revision=model.revision, trust_remote_code=model.trust_remote_code))
+    return scaled_config(config, model)
 
 
 def load_base_model(recipe: Recipe, device_map=None):
@@ -87,6 +89,8 @@ def load_base_model(recipe: Recipe, device_map=None):
             kwargs["device_map"] = device_map or {"": current_device()}
     elif device_map is not None:
         kwargs["device_map"] = device_map
+    if recipe.model.rope_scaling is not None:
+        kwargs["config"] = load_config(recipe.model)
     streamed = read_without_mapping(path, recipe, kwargs)
     if streamed is not None:
         return streamed
@@ -112,7 +116,7 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     files = checkpoint_files(folder) if folder.is_dir() else None
     if not files or recipe.model.trust_remote_code or is_deepspeed_zero3_enabled():
         return None
-    config = AutoConfig.from_pretrained(folder)
+    config = kwargs.get("config") or AutoConfig.from_pretrained(folder)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         return None
@@ -127,7 +131,7 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
                 raise ModelError(f"model.path: {file} is not a readable safetensors file ({err})") from None
         weights = {name: handle.get_slice(name) for handle in handles for name in handle.keys()}
         try:
-            model = model_class.from_pretrained(None, config=config, state_dict=weights, **kwargs)
+            model = model_class.from_pretrained(None, state_dict=weights, **{**kwargs, "config": config})
         except (SafetensorError, OSError) as err:
             names = ", ".join(str(f) for f in files)
             raise ModelError(f"model.path: reading the weights failed ({err}) in {names}") from None

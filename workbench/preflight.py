@@ -126,7 +126,12 @@ def check_tokenizer(recipe: Recipe, tokenizer) -> None:
 def check_context_length(recipe: Recipe, config) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if limit and recipe.data.max_seq_len > limit:
+        if recipe.model.rope_scaling is not None:
+            raise RecipeError(f"data.max_seq_len: {recipe.data.max_seq_len} is longer than model.rope_scaling "
+                              f"stretches {recipe.model.path} to ({limit} positions); set data.max_seq_len <= "
+                              f"{limit} or a larger model.rope_scaling.factor")
         raise RecipeError(
             f"data.max_seq_len: {recipe.data.max_seq_len} is longer than {recipe.model.path} was trained for "
-            f"({limit} positions); set data.max_seq_len <= {limit}"
+            f"({limit} positions); set data.max_seq_len <= {limit}, or stretch its positions with "
+            "model.rope_scaling (e.g. {type: yarn, factor: 2})"
         )

@@ -32,6 +32,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr: .inf
 
 
+class RopeScalingSection(Section):
+    type: Literal["linear", "dynamic", "yarn", "llama3"] = Field(
+        ..., description="how positions stretch (see workbench/rope_scaling.py).")
+    factor: float = Field(..., gt=1, le=64, description="the new context is the original times this.")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, strict=True, description="the context the model was trained for (default: its config's).")
+
+
 class ModelSection(Section):
     path: str = Field("builtin:tiny", description="builtin:tiny, builtin:smollm2-135m, a local folder or a hub id.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -43,6 +51,8 @@ class ModelSection(Section):
                             "see workbench/attention.py).")
     trust_remote_code: bool = Field(False, description="allow model code from the hub repository.")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit).")
+    rope_scaling: RopeScalingSection | None = Field(
+        None, description="RoPE scaling for a longer context: {type: linear|dynamic|yarn|llama3, factor: 2}.")
 
     _dtype_spelling = field_validator("dtype", mode="before")(lambda value: spelled(value, DTYPE_SPELLINGS))
 
