@@ -133,6 +133,8 @@ def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_an
 @pytest.mark.parametrize("overrides, message", [
     (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, got .loftq2."),
     (["adapter.lora_plus_ratio=0.5"], "adapter.lora_plus_ratio"),
+    (["adapter.lora_plus_ratio=1e308"], "adapter.lora_plus_ratio: Input should be less than or equal to 1024"),
+    (["adapter.lora_plus_ratio=true"], "adapter.lora_plus_ratio: expected a number such as 16, got True"),
     (["adapter.init=pissa", "adapter.method=qlora"], "adapter.init: pissa rewrites the base weights"),
     (["adapter.init=olora", "adapter.method=dora"], "adapter.init: olora with DoRA is not supported"),
     (["adapter.init=pissa", "adapter.modules_to_save=[lm_head]"], "adapter.modules_to_save is not supported"),
@@ -156,3 +158,19 @@ def test_the_estimator_counts_a_decomposing_inits_start_up():
     assert pissa.terms["initial_adapter"] == pissa.terms["adapter"]  # A0/B0: one more copy of the adapter
     assert pissa.strategies[0]["per_device_bytes"] > plain.strategies[0]["per_device_bytes"]
     assert any(note.startswith("adapter.init pissa: every target weight is decomposed") for note in pissa.notes)
+
+
+def test_dpo_after_an_init_that_rewrites_the_base_is_refused(tmp_path, capsys):
+    """DPO's reference is the adapter switched off: after PiSSA that is the residual base, not the published model."""
+    assert main(["train", "recipes/tiny-dpo.yaml", "adapter.init=pissa", f"output.dir={tmp_path}/run"]) == 2
+    assert "adapter.init: pissa with objective dpo is not supported" in capsys.readouterr().err
+    Recipe.load("recipes/tiny-dpo.yaml", ["adapter.init=pissa", "training.objective=orpo"])  # no reference: fine
+
+
+def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
+    from workbench.memory import estimate
+
+    est = estimate(tiny("adapter.init=olora"), world_size=2)
+    refused = {s["name"]: s["refused"] for s in est.strategies if s["refused"]}
+    assert set(refused) == {"zero3", "zero3_offload"} and est.recommended not in refused
+    assert "zero3 refused: adapter.init: olora decomposes" in est.to_text(width=300)

@@ -165,7 +165,7 @@ def test_json_shape():
     assert isinstance(data["recommended"], str)
     json.dumps(data)
     for s in data["strategies"]:
-        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits"}
+        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits", "refused"}
         assert set(s["limits"]) == {"micro_batch_size", "max_seq_len"}
         assert set(s["breakdown"]) == BREAKDOWN
         assert all(isinstance(v, int) and v >= 0 for v in s["breakdown"].values())
@@ -249,6 +249,11 @@ def test_recommends_sharding_when_replicas_do_not_fit():
     assert not strategies["ddp"]["fits"] and est.recommended in ("fsdp", "zero3")
     qlora = big("meta-llama/Llama-3.1-70B", "adapter.method=qlora", "training.gradient_checkpointing=true",
                 "training.micro_batch_size=1")
+    refused = estimate(qlora, world_size=2, device="rtx4090")  # 4-bit weights in uint8 cannot be sharded
+    assert refused.recommended == "none" and by_name(refused)["fsdp_offload"]["fits"]
+    assert "quant_storage" in by_name(refused)["fsdp_offload"]["refused"]
+    assert any("only on layouts this recipe cannot run" in note for note in refused.notes)
+    qlora = qlora.override("model.dtype=bfloat16", "quantization.quant_storage=bfloat16")
     two = estimate(qlora, world_size=2, device="rtx4090")
     assert two.recommended in ("fsdp_offload", "zero3_offload")
     order = [s["name"] for s in two.strategies]

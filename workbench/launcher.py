@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cluster.env import check_launch_env
+from .cluster.env import RANK_VARIABLES, check_launch_env
 from .errors import RecipeError, WorkbenchError
 from .hardware.current import available_cpus, local_kind
 from .precision import resolve as resolve_precision
@@ -38,10 +38,16 @@ class LaunchPlan:
     nnodes: int = 1
     master: str = ""
     startup_timeout_s: float = 0
+    unset: list[str] = field(default_factory=list)  # stale launcher variables the processes must not inherit
 
     def shell(self) -> str:
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return (prefix + " " if prefix else "") + shlex.join(self.command)
+        words = ["env", *(f"-u {name}" for name in self.unset)] if self.unset else []
+        words += [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return " ".join([*words, shlex.join(self.command)])
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment as the launched processes get it."""
+        return {**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env}
 
 
 def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, nproc: int = 1, nnodes: int = 1,
@@ -52,7 +58,8 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     from .recipe import Recipe
     from .trackers import check_tracker_packages
 
-    check_launch_env()  # a stale RANK (or MASTER_ADDR) in this shell would reach every rank
+    check_launch_env({k: os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT")})
+    stale = [name for name in RANK_VARIABLES if os.environ.get(name)]  # this launch numbers its own processes
 
     if nproc < 1 or nnodes < 1:
         raise RecipeError("--nproc and --nnodes: must be at least 1")
@@ -70,7 +77,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     stop = {STOP_SIGNAL_ENV: signal.Signals(parse_signal(stop_signal)).name} if stop_signal else {}
     world = nproc * nnodes
     if world == 1:
-        return LaunchPlan([sys.executable, *train], stop, recipe.run_dir, 1)
+        return LaunchPlan([sys.executable, *train], stop, recipe.run_dir, 1, unset=stale)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
                "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", host,
                "--main_process_port", port, "--mixed_precision", mixed_precision,
@@ -83,7 +90,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     if not torch.cuda.is_available():  # the CPUs this machine (or pod: its CPU quota) really gives
         env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, available_cpus()[0] // nproc))
     return LaunchPlan(command + train, env, recipe.run_dir, nproc, nnodes, master,
-                      recipe.distributed.startup_timeout_s)
+                      recipe.distributed.startup_timeout_s, unset=stale)
 
 
 def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
@@ -98,7 +105,7 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
         what = "GPUs" if torch.cuda.is_available() else "CPU cores"
         raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
                           f"{what[:-1]} at most")
-    env = {**os.environ, **plan.env}
+    env = plan.environment()
     started = time.time()
     # stderr passes through a reader that also watches for the launcher's rendezvous failures
     warnings = warning_signals(env)

@@ -37,8 +37,7 @@ def _choose(recipe: Recipe, world_size: int, nodes: int, device_memory) -> tuple
     refused = []
     for row in est.strategies:
         layout = by_name(row["name"]) if row["name"] != "single" else DDP
-        problem = layout_problem(recipe, layout)
-        if problem:
+        if row["refused"]:  # the estimator asked strategies.layout_problem
             refused.append(layout.name)
             continue
         if row["fits"]:

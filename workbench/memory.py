@@ -27,7 +27,7 @@ from .attention import with_implementation as attention_for
 from .precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype
 from .recipe import Recipe
 from .rope_scaling import context_length
-from .strategies import FSDP, PARTS, Layout, candidates
+from .strategies import FSDP, PARTS, Layout, candidates, layout_problem
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
@@ -99,7 +99,8 @@ class Estimate:
         for s in self.strategies:
             b = s["breakdown"]
             mark = "*" if s["name"] == self.recommended else ""
-            table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]), "yes" if s["fits"] else "no",
+            table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]),
+                          "refused" if s.get("refused") else "yes" if s["fits"] else "no",
                           *(_gib(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
                                                   "other")), _gib(s["cpu_bytes"]),
                           _limit(s.get("limits", {}).get("micro_batch_size"), MAX_MICRO_BATCH),
@@ -121,6 +122,9 @@ class Estimate:
         console.print(line)
         for note in self.notes:
             console.print(f"- {note}")
+        for s in self.strategies:
+            if s.get("refused"):
+                console.print(f"- {s['name']} refused: {s['refused']}")
         return console.export_text()
 
 
@@ -138,9 +142,10 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     terms = single_device_terms(recipe, info, dev)
     layouts = candidates(world_size, nodes)
     strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in layouts]
-    for row, limits in zip(strategies, fit_limits(recipe, info, dev, world_size, nodes, layouts)):
+    for row, limits, layout in zip(strategies, fit_limits(recipe, info, dev, world_size, nodes, layouts), layouts):
         row["limits"] = limits
-    recommended = next((s["name"] for s in strategies if s["fits"]), "none")
+        row["refused"] = layout_problem(recipe, layout)  # a layout the recipe cannot run, whatever its memory
+    recommended = next((s["name"] for s in strategies if s["fits"] and not s["refused"]), "none")
     model = {"name": recipe.model.path, "source": info.source, "params": info.params,
              "trainable_params": terms["trainable_params"],
              "total_params": info.params + (terms["trainable_params"] if recipe.adapter.method != "full" else 0)}
@@ -516,6 +521,8 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
         else:
             notes.append(f"One {dev.name} is enough ({used}): {world_size} devices multiply the device-hours "
                          f"by {world_size} for a speed-up below {world_size}x (gradient all-reduce every step).")
+    elif recommended == "none" and any(s["fits"] for s in strategies):
+        notes.append("It fits only on layouts this recipe cannot run (the refused lines below say what to change).")
     elif recommended == "none":
         need = next((n for n in (2**k for k in range(1, 13))
                      if n > world_size and _strategy(FSDP, terms, dev, n, 1)["fits"]), None)

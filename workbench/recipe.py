@@ -69,8 +69,16 @@ class AdapterSection(Section):
     modules_to_save: list[str] | None = Field(None, description="modules trained in full beside the adapter.")
     init: str = Field("default", description=f"how the adapter starts: {' | '.join(INITS)} "
                                              "(see workbench/adapter_init.py).")
-    lora_plus_ratio: float | None = Field(None, ge=1, description="LoRA+: B's learning rate is this many times "
-                                                                   "training.lr (e.g. 16); null: one rate.")
+    lora_plus_ratio: float | None = Field(None, ge=1, le=1024, description="LoRA+: B's learning rate is this "
+                                                                            "many times training.lr (e.g. 16); "
+                                                                            "null: one rate.")
+
+    @field_validator("lora_plus_ratio", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        if isinstance(value, bool):  # YAML's true would pass as a ratio of 1
+            raise ValueError(f"expected a number such as 16, got {value}")
+        return value
 
     @field_validator("init")
     @classmethod

@@ -61,6 +61,7 @@ def test_an_indexed_jobs_completion_index_is_the_node_rank():
 
 
 @pytest.mark.parametrize("env, named", [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, ("WORLD_SIZE is 2", "MASTER_ADDR")),  # left over from another launch
     ({"RANK": "0"}, ("RANK", "WORLD_SIZE")),
     ({"WORLD_SIZE": "2"}, ("WORLD_SIZE", "RANK")),
     ({"MASTER_ADDR": "10.0.0.1"}, ("MASTER_ADDR", "MASTER_PORT")),
@@ -80,7 +81,6 @@ def test_a_half_configured_env_is_refused_naming_both_before_anything_trains(mon
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0"}, "MASTER_ADDR"),
     ({"PET_NNODES": "1:4"}, "elastic"),
     ({"PET_NPROC_PER_NODE": "two"}, "PET_NPROC_PER_NODE"),
-    ({"RANK": "3"}, "RANK is set ('3') but WORLD_SIZE is not"),  # a stale RANK would reach every rank
 ])
 def test_a_half_configured_pod_is_refused_by_launch(monkeypatch, capsys, env, named):
     for key, value in env.items():
@@ -288,3 +288,22 @@ def test_workbench_stop_says_so_when_the_run_ends_as_the_request_is_written(tmp_
         lock.release()
     assert "the run ended (status completed) before it could read the stop request" in capsys.readouterr().err
     assert not (run / "STOP").exists()  # no request left behind for a later run of the folder
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_launch_never_passes_on_a_stale_rank(monkeypatch, capsys, nproc):
+    from workbench.launcher import plan_launch
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["launch", RECIPE, "--nproc", nproc, "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("env -u RANK -u WORLD_SIZE ")  # the printed command runs as planned
+    environment = plan_launch(RECIPE, nproc=int(nproc)).environment()
+    assert "RANK" not in environment and "WORLD_SIZE" not in environment
+
+
+def test_an_sbatch_arg_cannot_undo_what_the_script_sets(tmp_path, capsys):
+    for arg in ("--cpus-per-task=1", "--output=/tmp/x.log", "--signal=TERM@1"):
+        assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(tmp_path / "job.sbatch")]) == 2
+        assert "is set by the script itself" in capsys.readouterr().err
+    assert not (tmp_path / "job.sbatch").exists()

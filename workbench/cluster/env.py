@@ -15,6 +15,10 @@ from ..errors import RecipeError
 
 # variables that only make sense together: one without the other is a launch set up by half
 PAIRS = (("RANK", "WORLD_SIZE"), ("MASTER_ADDR", "MASTER_PORT"))
+# what a launcher tells each process it starts: `workbench launch` starts its own, so these in its environment are
+# stale (a shell that ran a rank, a pod's own) and are not passed on
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE")
 
 
 def check_launch_env(env: Mapping[str, str] | None = None) -> None:
@@ -25,6 +29,14 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> None:
             have, missing = (one, other) if env.get(one, "").strip() else (other, one)
             raise RecipeError(f"{have} is set ({env[have]!r}) but {missing} is not: a launcher sets both; set "
                               f"{missing} too, or unset {have}")
+    world = env.get("WORLD_SIZE", "").strip()
+    if world.isascii() and world.isdigit() and int(world) > 1 and not env.get("MASTER_ADDR", "").strip():
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):  # an engine that formed the group itself
+            raise RecipeError(f"WORLD_SIZE is {world} but MASTER_ADDR and MASTER_PORT are not set: the processes "
+                              "cannot find each other; start them with `workbench launch` (or set both), or unset "
+                              "RANK and WORLD_SIZE left over from another launch")
 
 
 @dataclass

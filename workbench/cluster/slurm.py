@@ -52,6 +52,11 @@ def requeue_self() -> str:
     return f"requeued SLURM job {job}: it continues from the checkpoint when it starts again"
 
 
+# sbatch options the script sets itself, and the flag of this command that sets each
+OWN_OPTIONS = {"--cpus-per-task": "--cpus-per-task", "--nodes": "--nodes", "--ntasks-per-node": "--nproc-per-node",
+               "--gpus-per-node": "--gpus-per-node", "--output": "output.dir=...", "--open-mode": "(always append)",
+               "--signal": "--signal-before", "--time": "--time", "--partition": "--partition",
+               "--account": "--account", "--job-name": "name=..."}
 SCRIPT_MARK = "#!/bin/bash\n# workbench slurm"  # how a script this command wrote begins
 
 
@@ -96,6 +101,10 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
     for arg in extra or []:
         if not arg.startswith("--"):
             raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high, got {arg!r}")
+        option = arg.split("=", 1)[0]
+        if option in OWN_OPTIONS:  # a later #SBATCH line wins: it would undo what the script needs
+            raise RecipeError(f"--sbatch-arg: {option} is set by the script itself; use `workbench slurm "
+                              f"{OWN_OPTIONS[option]}` instead")
     recipe = Recipe.load(recipe_path, overrides)
     run_dir = Path(recipe.run_dir).absolute()
     if any(ord(c) < 32 for c in str(run_dir)):
