@@ -28,6 +28,16 @@ def no_launch_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+def stop_a_live_run(run: Path) -> int:
+    """`workbench stop RUN` while a live run holds the directory's lock; its exit code."""
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        return main(["stop", str(run)])
+    finally:
+        lock.release()
+
+
 def test_resume_auto_is_one_flag_and_a_plain_resume_never_takes_the_recipe():
     parser = build_parser()
     args = parser.parse_args(_resume_auto(["train", "--resume", "auto", RECIPE]))
@@ -216,14 +226,7 @@ def test_workbench_stop_never_writes_through_a_link_in_the_run_directory(tmp_pat
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (run / "STOP").symlink_to(victim)
-    from workbench.runs import RunLock
-
-    lock = RunLock(run)
-    lock.acquire()  # a live run holds its directory
-    try:
-        assert main(["stop", str(run)]) == 1
-    finally:
-        lock.release()
+    assert stop_a_live_run(run) == 1
     assert victim.read_text() == "precious" and "cannot write the stop request" in capsys.readouterr().err
 
 
@@ -280,12 +283,7 @@ def test_workbench_stop_says_so_when_the_run_ends_as_the_request_is_written(tmp_
         (run / "run.json").write_text(json.dumps({**record, "summary": {"status": "completed"}}))
 
     monkeypatch.setattr(RunDir, "request_stop", the_run_completes_meanwhile)
-    lock = RunLock(run)
-    lock.acquire()  # a live run holds its directory
-    try:
-        assert main(["stop", str(run)]) == 1
-    finally:
-        lock.release()
+    assert stop_a_live_run(run) == 1
     assert "the run ended (status completed) before it could read the stop request" in capsys.readouterr().err
     assert not (run / "STOP").exists()  # no request left behind for a later run of the folder
 
