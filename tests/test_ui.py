@@ -67,7 +67,8 @@ def test_every_recipe_field_has_a_widget_with_its_default_and_help():
             else:
                 leaves.add(f"{prefix}{k}")
 
-    walk(Recipe(adapter={"method": "qlora"}).to_dict())  # qlora: the quantization section is filled in
+    # qlora and a RoPE scaling: the optional sections are filled in
+    walk(Recipe(adapter={"method": "qlora"}, model={"rope_scaling": {"type": "yarn", "factor": 2}}).to_dict())
     specs = {s.key: s for s in form.FIELDS}
     assert leaves <= set(specs)
     assert specs["adapter.method"].kind == "dropdown" and specs["adapter.method"].choices == ["lora", "qlora", "dora", "full"]
