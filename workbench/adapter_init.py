@@ -22,6 +22,7 @@ the ones peft's `create_loraplus_optimizer` builds (lora_B and every 1-D trained
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -127,9 +128,18 @@ def converted_config(config):
     config.r = 2 * config.r
     config.lora_alpha = config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2)
     config.init_lora_weights = True
-    if config.rank_pattern or config.alpha_pattern:
-        raise ValueError("rank_pattern/alpha_pattern with a converted init")
     return config
+
+
+@contextmanager
+def saving_converted(peft_model):
+    """The model's adapter config as a converted init saves it, for the length of the save."""
+    original = peft_model.peft_config["default"]
+    peft_model.peft_config["default"] = converted_config(original)
+    try:
+        yield
+    finally:
+        peft_model.peft_config["default"] = original
 
 
 # -- LoRA+ -------------------------------------------------------------------------------------------

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from ..adapter_init import InitialAdapter, parameter_groups
+from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
 from ..distributed import host_transfer
 from ..errors import WorkbenchError
 from ..inference import generate_text
@@ -146,7 +145,7 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
         staging = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(staging, ignore_errors=True)
         if initial is not None:
-            with converted_config(unwrapped):
+            with saving_converted(unwrapped):
                 unwrapped.save_pretrained(staging, state_dict=initial.convert(state), safe_serialization=True)
         else:
             unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
@@ -154,20 +153,6 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
         write_model_card_or_warn(staging, run.path, "adapter" if recipe.adapter.method != "full" else "merged")
         replace_folder(staging, target)
     accelerator.wait_for_everyone()
-
-
-@contextmanager
-def converted_config(peft_model):
-    """The model's adapter config as a converted init saves it (rank 2r, an init that leaves the base alone),
-    for the length of the save."""
-    from ..adapter_init import converted_config as converted
-
-    original = peft_model.peft_config["default"]
-    peft_model.peft_config["default"] = converted(original)
-    try:
-        yield
-    finally:
-        peft_model.peft_config["default"] = original
 
 
 def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, str]] | None:
