@@ -17,7 +17,7 @@ from workbench.runs import RunDir
 from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
     summary, wait_for
 
-STEPS = 16  # room for a restart and a stop mid-run
+STEPS = 48  # room for a restart and a stop mid-run: the stop request is read about once a second, and a step takes ~0.1 s
 RUN = [*COMMON, f"training.max_steps={STEPS}", "output.save_every=2", "distributed.strategy=ddp"]
 
 
