@@ -19,6 +19,8 @@ def test_quickstart_teaches_smollm2_its_new_name(tmp_path):
     assert summary["eval_loss_final"] < 0.25 * summary["eval_loss_first"]
     sample = summary["samples"][0]
     assert "Quill" in sample["after"] and "Quill" not in sample["before"]
+    assert sample["ended"]["after"]  # the tuned model stops: its answer ends with EOS within the token budget
+    assert "no end of sequence" not in done.stdout.split("after:")[1]
 
     # base beside tuned on the held-out questions, through the command line (what the README shows next)
     scored = subprocess.run([sys.executable, "-m", "workbench", "evaluate", str(tmp_path / "quickstart"), "--base",

@@ -99,6 +99,17 @@ def test_resume_refuses_data_that_changed_since_the_start(tiny_recipe, tmp_path)
     assert run.read_json()["summary"]["status"] == "running"
 
 
+def test_resume_refuses_a_chat_template_that_changed_since_the_start(tiny_recipe, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
+    recipe, run = interrupted_run(tiny_recipe.override(f"data.chat_template={template}"))
+    template.write_text("{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}<|im_end|>{% endfor %}")
+    with pytest.raises(WorkbenchError, match=r"the chat template \(data.chat_template, or the tokenizer's own\) "
+                                             "changed since the run started"):
+        train(recipe, resume=True, progress_bar=False)
+    assert run.read_json()["summary"]["status"] == "running"
+
+
 def test_the_data_cache_never_serves_stale_rows(tiny_recipe, tmp_path):
     """datasets keys local files by path and mtime: same path, same mtime, other content must retrain."""
     data = chat_rows(tmp_path / "d.jsonl", 40)

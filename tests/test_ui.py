@@ -181,12 +181,25 @@ def test_run_names_and_recipe_fields_cannot_leave_the_workspace(h, root):
         assert h.export_csv([name])[0] is None
     tiny = (root / "recipes/tiny.yaml").read_text()
     for override in ("output.dir=../escape/{name}", "data.train=/etc/passwd", "data.eval=../../e.jsonl",
-                     "model.path=/opt/models/x"):
+                     "model.path=/opt/models/x", "data.chat_template=/etc/passwd", "data.chat_template=../t.jinja"):
         text = Recipe.from_dict(yaml.safe_load(tiny)).override(override).to_yaml()
         name, status = h.launch(text, 1)
         assert name is None and "outside the workspace" in status, override
         assert "outside the workspace" in h.form_changed(*form.widgets_from_dict(yaml.safe_load(text)))[1]
     assert not (root.parent / "escape").exists() and h.jobs.names() == []
+
+
+def test_a_chat_template_file_outside_the_workspace_is_never_read(h, root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.jinja").write_text("{{ top_secret_content }\n")  # would not parse: its error would quote it
+    (root / "recipes/link.jinja").symlink_to(outside / "secret.jinja")
+    tiny = Recipe.load(root / "recipes/tiny.yaml")
+    for value in (str(outside / "secret.jinja"), "recipes/link.jinja"):
+        text = tiny.override(f"data.chat_template={value}").to_yaml()
+        for status in (h.preview_data(text, 1)[0], h.launch(text, 1)[1], h.check(yaml.safe_load(text))[0]):
+            assert "outside the workspace" in status and "top_secret" not in status, (value, status)
+    text = tiny.override("data.chat_template=chatml").to_yaml()  # a registered name is no file
+    assert "valid recipe" in h.check(yaml.safe_load(text))[0]
 
 
 def test_several_processes_go_through_workbench_launch(root, monkeypatch):

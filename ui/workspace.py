@@ -122,6 +122,8 @@ class Workspace:
             self.resolve(recipe.data.eval, what="data.eval")
         if recipe.distributed.deepspeed.config_file:
             self.resolve(recipe.distributed.deepspeed.config_file, what="distributed.deepspeed.config_file")
+        if _is_file_name(recipe.data.chat_template):  # a Jinja file (registered names are not files)
+            self.resolve(recipe.data.chat_template, what="data.chat_template")
         model = recipe.model.path
         if model.startswith((".", "/", "~")) or (self.root / model).exists():
             self.resolve(model, what="model.path")  # a local folder (builtin: names and hub ids are not files)
@@ -133,7 +135,7 @@ class Workspace:
                             "refused")
         return run_dir
 
-    LOCAL_FIELDS = ("model.path", "data.train", "data.eval", "distributed.deepspeed.config_file")
+    LOCAL_FIELDS = ("model.path", "data.train", "data.eval", "data.chat_template", "distributed.deepspeed.config_file")
 
     def local_recipe(self, recipe):
         """A checked recipe with its relative files made absolute paths inside the workspace: what the server
@@ -145,7 +147,7 @@ class Workspace:
             value = getattr(recipe, section)
             for part in rest:
                 value = getattr(value, part)
-            if not value or value.startswith("builtin:"):
+            if not value or value.startswith("builtin:") or (key == "data.chat_template" and not _is_file_name(value)):
                 continue
             inside = self.resolve(value, what=key)
             if inside.exists() or value.startswith((".", "/", "~")):
@@ -174,3 +176,9 @@ class Workspace:
 
     def _inside(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root)
+
+
+def _is_file_name(chat_template: str | None) -> bool:
+    from workbench.chat_templates import TEMPLATES
+
+    return bool(chat_template) and chat_template not in TEMPLATES

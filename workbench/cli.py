@@ -342,8 +342,13 @@ def _print_summary(run_dir: Path, record: dict) -> None:
     if s.eval_loss_first is not None or s.eval_loss_final is not None:
         line += f" | eval loss {num(s.eval_loss_first, '.4f')} -> {num(s.eval_loss_final, '.4f')}"
     print(line)
+    budget = "no end of sequence within output.sample_max_new_tokens"
     for sample in s.samples or []:
-        print(f"  prompt: {sample['prompt']}\n    before: {sample['before']}\n    after:  {sample['after']}")
+        ended = sample.get("ended", {})
+        print(f"  prompt: {sample['prompt']}")
+        for when in ("before", "after"):
+            mark = {True: "", False: f"  [{budget}]"}.get(ended.get(when), "")
+            print(f"    {when}:{' ' * (7 - len(when))}{sample[when]}{mark}")
 
 
 def _launch(args) -> int:
@@ -409,7 +414,7 @@ def _validate(args) -> int:
         from .models import load_config, load_tokenizer
         from .preflight import preflight
 
-        for warning in preflight(recipe, load_tokenizer(recipe.model), load_config(recipe.model)):
+        for warning in preflight(recipe, load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)):
             print(f"warning: {warning}")
     print(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})")
     return 0

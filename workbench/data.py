@@ -505,7 +505,9 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     tokenized = tokenize_data(cfg, tokenizer, seed, share_prompts)
     train_tok, eval_tok = tokenized.train, tokenized.eval
     stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
-             "train_sha256": tokenized.train_rows.fingerprint}
+             "train_sha256": tokenized.train_rows.fingerprint,
+             # how rows became text: a resumed run must render them as it started (resume.check_data)
+             "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
     if format_of(cfg.format).preference:
         stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -187,9 +188,21 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 # -- generation -------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@dataclass
+class Answer:
+    text: str
+    ended: bool  # the model stopped with an end-of-sequence token within the token budget
+
+
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool | None = None) -> str:
     """Greedy answer to one prompt; the chat template is used when the tokenizer has one."""
+    return answer(model, tokenizer, prompt, max_new_tokens, chat).text
+
+
+@torch.no_grad()
+def answer(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool | None = None) -> Answer:
+    """generate_text's answer, and whether the model ended it itself (a tuned model that never stops
+    has not learned its chat template's end of turn)."""
     chat = bool(tokenizer.chat_template) if chat is None else chat
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -200,10 +213,12 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
     ids = ids.to(device)
     was_training = model.training
     model.eval()
+    stops = stop_token_ids(model, tokenizer)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
     model.train(was_training)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    new = out[0, ids.shape[1]:].tolist()
+    return Answer(tokenizer.decode(new, skip_special_tokens=True).strip(), any(t in stops for t in new))
 
 
 @leaves_the_process_as_found

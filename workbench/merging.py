@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import RecipeError, WorkbenchError
 from .hub import check_hub_access, push_folder
-from .inference import check_adapter, hub_options, load_adapter, tokenizer_of
+from .inference import check_adapter, hub_options, load_adapter, stop_token_ids, tokenizer_of
 from .model_card import write_model_card_or_warn
 from .quiet import leaves_the_process_as_found
 from .staging import merge_staging_folder
@@ -59,6 +59,9 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     generation = model.generation_config
     if generation.pad_token_id is None:
         generation.pad_token_id = tokenizer.pad_token_id
+    # a run's chat template may end turns with a token of its own (data.chat_template): generation stops there too
+    stops = stop_token_ids(model, tokenizer)
+    generation.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     # Written beside the target under a name of this merge's own and renamed into place, so a crash never
     # leaves a half model and no folder of the user's is taken for the staging one.

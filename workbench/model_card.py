@@ -221,6 +221,9 @@ def _data_section(recipe: dict, summary: dict) -> str:
     settings = (f"Format {_code(data.get('format'))}, sequences of up to {data.get('max_seq_len')} tokens"
                 f"{', packed' if data.get('packing') else ''}{loss_on}"
                 + (f", first {data['limit']} rows" if data.get("limit") else "") + ".")
+    if data.get("chat_template"):
+        settings += (f" Chat template {_code(data['chat_template'])} in place of the base tokenizer's "
+                     "(saved beside the weights as `chat_template.jinja`).")
     return f"## Data\n\n{table}\n\n{settings}"
 
 

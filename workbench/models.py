@@ -42,8 +42,11 @@ def _hub_call(path: str, what: str, load):
         raise ModelError(f"model.path: cannot load the {what} of '{path}' from the hub: {hint} ({err})") from None
 
 
-def load_tokenizer(model: ModelSection):
+def load_tokenizer(model: ModelSection, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (data.chat_template) in place of its own template."""
     from transformers import AutoTokenizer
+
+    from .chat_templates import use_chat_template
 
     path = resolve_model_path(model.path)
     tokenizer = _hub_call(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(
@@ -51,7 +54,7 @@ def load_tokenizer(model: ModelSection):
     if tokenizer.pad_token is None:
         # Padding positions never carry loss, so reusing EOS as pad is safe.
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return use_chat_template(tokenizer, chat_template)
 
 
 def load_config(model: ModelSection):

@@ -151,7 +151,7 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
         recipe = Recipe.load(recipe)
     cfg = recipe.data
     fmt = format_of(cfg.format)
-    tokenizer = load_tokenizer(recipe.model)
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     data = tokenize_data(cfg, tokenizer, seed=recipe.training.seed)  # the split training makes
     check_trainable(data.train, cfg)  # what training refuses, the preview refuses
     source = data.train_rows

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .adapter_init import INITS
+from .chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
 from .errors import RecipeError, WorkbenchError
 from .formats import FORMAT_NAMES, FORMATS
 from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
@@ -126,7 +127,12 @@ class DataSection(Section):
     packing: bool = Field(True, description="pack samples into full sequences (each attends only to itself).")
     train_on: Literal["completions", "all"] = Field("completions", description="which tokens carry loss.")
     system_prompt: str | None = Field(None, description="system message added to chat/alpaca rows without one.")
+    chat_template: str | None = Field(None, description="the chat template in place of the tokenizer's own: "
+                                      + ", ".join(CHAT_TEMPLATES) + " (workbench/chat_templates.py) or the path of a "
+                                      "Jinja file; its turns must end with a token of the tokenizer's own.")
     limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
+
+    _chat_template = field_validator("chat_template")(lambda value: _chat_template_value(value))
 
     @property
     def row_len(self) -> int:

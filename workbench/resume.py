@@ -107,6 +107,10 @@ class ResumePlan:
                 part = key.split("_")[0]
                 raise WorkbenchError(f"--resume: data.{part} changed since the run started (its content hash "
                                      "differs); resume with the data it started on, or start a new run")
+        before, now = self.recorded.get("chat_template_sha256"), stats.get("chat_template_sha256")
+        if before and now and before != now:
+            raise WorkbenchError("--resume: the chat template (data.chat_template, or the tokenizer's own) changed "
+                                 "since the run started; resume with the template it started with, or start a new run")
 
     def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
                           model) -> None:

