@@ -181,12 +181,24 @@ def test_run_names_and_recipe_fields_cannot_leave_the_workspace(h, root):
         assert h.export_csv([name])[0] is None
     tiny = (root / "recipes/tiny.yaml").read_text()
     for override in ("output.dir=../escape/{name}", "data.train=/etc/passwd", "data.eval=../../e.jsonl",
+                     "data.train=[recipes/data/tiny_chat.jsonl, {path: /etc/passwd, format: text}]",
                      "model.path=/opt/models/x", "data.chat_template=/etc/passwd", "data.chat_template=../t.jinja"):
         text = Recipe.from_dict(yaml.safe_load(tiny)).override(override).to_yaml()
         name, status = h.launch(text, 1)
         assert name is None and "outside the workspace" in status, override
         assert "outside the workspace" in h.form_changed(*form.widgets_from_dict(yaml.safe_load(text)))[1]
     assert not (root.parent / "escape").exists() and h.jobs.names() == []
+
+
+def test_the_form_shows_and_reads_back_a_mix_of_sources(h, root):
+    sources = [{"path": "recipes/data/tiny_chat.jsonl", "format": None, "weight": 2.0},
+               {"path": "recipes/data/identity_train.jsonl", "format": "chat", "weight": 0.5}]
+    data = Recipe.load(root / "recipes/tiny.yaml").override(data__train=sources).to_dict()
+    values = form.widgets_from_dict(data)
+    assert value_of(values, "data.train") == ("[{path: recipes/data/tiny_chat.jsonl, format: null, weight: 2.0}, "
+                                              "{path: recipes/data/identity_train.jsonl, format: chat, weight: 0.5}]")
+    assert form.dict_from_widgets(values)["data"]["train"] == sources
+    assert "valid recipe" in h.form_changed(*values)[1]
 
 
 def test_a_chat_template_file_outside_the_workspace_is_never_read(h, root, tmp_path_factory):

@@ -116,6 +116,8 @@ FIELDS = schema_fields()
 
 
 def _list_text(items: list) -> str:
+    if any(isinstance(i, dict) for i in items):  # data.train's sources: a YAML flow list, as the recipe writes it
+        return yaml.safe_dump(items, default_flow_style=True, sort_keys=False, width=float("inf")).strip()
     texts = [str(i) for i in items]
     if any("," in t or t != t.strip() for t in texts):
         return json.dumps(texts)  # a YAML flow list keeps commas inside items

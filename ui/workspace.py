@@ -117,7 +117,8 @@ class Workspace:
         if recipe.model.trust_remote_code and not allow_remote_code:
             raise PathError("model.trust_remote_code: would run code from the model's repository on this server; "
                             "refused (start the UI with --allow-remote-code to permit it)")
-        self.resolve(recipe.data.train, what="data.train")
+        for k, source in enumerate(recipe.data.sources):
+            self.resolve(source.path, what="data.train" if isinstance(recipe.data.train, str) else f"data.train[{k}].path")
         if recipe.data.eval:
             self.resolve(recipe.data.eval, what="data.eval")
         if recipe.distributed.deepspeed.config_file:
@@ -147,15 +148,29 @@ class Workspace:
             value = getattr(recipe, section)
             for part in rest:
                 value = getattr(value, part)
-            if not value or value.startswith("builtin:") or (key == "data.chat_template" and not _is_file_name(value)):
+            if isinstance(value, list):  # data.train's sources
+                sources = [source.model_copy(update={"path": self._local(source.path, f"{key}[{k}].path")})
+                           for k, source in enumerate(value)]
+                changes[key.replace(".", "__")] = [source.model_dump() for source in sources]
                 continue
-            inside = self.resolve(value, what=key)
-            if inside.exists() or value.startswith((".", "/", "~")):
-                changes[key.replace(".", "__")] = str(inside)
-            elif Path(value).expanduser().exists():  # a hub id has no file of that name anywhere
-                raise PathError(f"{key}: {value} is not in the workspace, but {Path(value).resolve()} outside the "
-                                f"workspace {self.root} has that name; refused")
+            if not value or (key == "data.chat_template" and not _is_file_name(value)):
+                continue
+            local = self._local(value, key)
+            if local != value:
+                changes[key.replace(".", "__")] = local
         return recipe.override(**changes) if changes else recipe
+
+    def _local(self, value: str, key: str) -> str:
+        """A recipe's file name as the absolute path inside the workspace, or as it is (builtin models, hub ids)."""
+        if value.startswith("builtin:"):
+            return value
+        inside = self.resolve(value, what=key)
+        if inside.exists() or value.startswith((".", "/", "~")):
+            return str(inside)
+        if Path(value).expanduser().exists():  # a hub id has no file of that name anywhere
+            raise PathError(f"{key}: {value} is not in the workspace, but {Path(value).resolve()} outside the "
+                            f"workspace {self.root} has that name; refused")
+        return value
 
     def saved_recipe_file(self, relative: str) -> Path:
         """Where Save may write: a .yaml under recipes/ (never a run's own recipe or the UI's records)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import adapter_init
+from .formats import format_of
 from .errors import RecipeError
 from .strategies import layout_of, layout_problem
 
@@ -37,6 +38,12 @@ def check_recipe(recipe: "Recipe") -> None:
     if problem:
         raise ValueError(problem)
     preference_data = recipe.data.format == "preference"
+    for k, source in enumerate(recipe.data.sources):
+        # sources may mix instruction formats, never pairs with single answers: one objective trains every row
+        if format_of(source.format).preference != format_of(recipe.data.format).preference:
+            raise ValueError(f"data.train[{k}].format: {source.format} rows cannot mix with data.format "
+                             f"{recipe.data.format} (preference pairs and single answers train with different "
+                             "objectives)")
     if training.objective == "sft" and preference_data:
         raise ValueError("training.objective: data.format preference holds chosen/rejected pairs; train them with "
                          "objective dpo or orpo (or give instruction data for sft)")

@@ -459,45 +459,112 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
 
 
 @dataclass
+class SourceData:
+    """One training source as read and tokenized: its rows, its settings (data.format replaced by its own)."""
+
+    source: Any  # recipe.DataSource
+    cfg: DataSection
+    rows: Rows
+    tokenized: Any  # before weighting and holding out
+
+
+@dataclass
 class TokenizedData:
     """The rows read and tokenized, split as training splits them; samples that lost their answer still in."""
 
-    train_rows: Rows
+    sources: list[SourceData]
     train: Any
     eval_rows: Rows | None
     eval: Any | None
     cached: bool
+    mix: list[dict] = field(default_factory=list)  # per source: path, format, weight, rows, samples in train
+
+    @property
+    def train_fingerprint(self) -> str:
+        """The content hash of the training data: the file's for one source, of the sources and weights for a mix."""
+        if len(self.sources) == 1:
+            return self.sources[0].rows.fingerprint
+        parts = [f"{d.rows.fingerprint}|{d.source.format}|{d.source.weight!r}" for d in self.sources]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> TokenizedData:
-    def check(row, where):
-        check_row(row, cfg.format, where)
-
-    needs = format_of(cfg.format).fields
-    train_rows = load_rows(cfg.train, cfg.split, check, needs)
-    train_tok, cached = tokenize_rows(train_rows, tokenizer, cfg, cfg.limit, share_prompts)
+    """Each source read and tokenized with its own format; data.eval_split held out of each source, then each
+    source's rows weighted (mix_sources) and the sources concatenated into one training set."""
+    sources, cached = [], True
+    for source in cfg.sources:
+        source_cfg = cfg.model_copy(update={"train": source.path, "format": source.format})
+        rows = load_rows(source.path, cfg.split, _row_check(source.format), format_of(source.format).fields)
+        tokenized, was_cached = tokenize_rows(rows, tokenizer, source_cfg, cfg.limit, share_prompts)
+        sources.append(SourceData(source, source_cfg, rows, tokenized))
+        cached = cached and was_cached
+    trains, held_out = [], []
+    for data in sources:
+        train_tok = data.tokenized
+        if not cfg.eval and cfg.eval_split:
+            train_tok, held = hold_out(train_tok, cfg.eval_split, seed, data.source.path)
+            held_out.append(held)
+        trains.append(train_tok)
+    trains = mix_sources(trains, [d.source for d in sources], seed)
+    mix = [{"path": d.source.path, "format": d.source.format, "weight": d.source.weight, "rows": len(d.rows.dataset),
+            "samples": len(part)} for d, part in zip(sources, trains)]
     eval_tok, eval_rows = None, None
     if cfg.eval:
-        eval_rows = load_rows(cfg.eval, cfg.split, check, needs)
+        eval_rows = load_rows(cfg.eval, cfg.split, _row_check(cfg.format), format_of(cfg.format).fields)
         eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompts=share_prompts)
-    elif cfg.eval_split:
-        held_out = math.ceil(len(train_tok) * cfg.eval_split)
-        if not 0 < held_out < len(train_tok):
-            raise DataError(f"{cfg.train}: data.eval_split {cfg.eval_split} of {len(train_tok)} rows leaves no "
-                            "rows to train on; lower it or give data.eval a file")
-        parts = train_tok.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
-        train_tok, eval_tok = parts["train"], parts["test"]
-    return TokenizedData(train_rows, train_tok, eval_rows, eval_tok, cached)
+    elif held_out:
+        eval_tok = _concatenated(held_out)
+    return TokenizedData(sources, _concatenated(trains), eval_rows, eval_tok, cached, mix)
+
+
+def _row_check(fmt: str) -> Callable[[dict, str], None]:
+    return lambda row, where: check_row(row, fmt, where)
+
+
+def _concatenated(parts: list):
+    import datasets
+
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def hold_out(tokenized, fraction: float, seed: int, source: str):
+    """(train, held out): `fraction` of a source's rows, drawn with `seed` (evaluation.eval_rows finds the
+    same rows again)."""
+    held = math.ceil(len(tokenized) * fraction)
+    if not 0 < held < len(tokenized):
+        raise DataError(f"{source}: data.eval_split {fraction} of {len(tokenized)} rows leaves no "
+                        "rows to train on; lower it or give data.eval a file")
+    parts = tokenized.train_test_split(test_size=fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def mix_sources(parts: list, sources: list, seed: int) -> list:
+    """Each source's rows `weight` times over: every row `floor(weight)` times, and a seeded choice of the rest
+    (weight 2.5 of 10 rows: each twice and 5 drawn once more; 0.5: a seeded half). Fixed by the seed, so a
+    resumed run trains on the very rows it started with; the epoch sampler shuffles the whole."""
+    mixed = []
+    for k, (part, source) in enumerate(zip(parts, sources)):
+        if source.weight == 1:
+            mixed.append(part)
+            continue
+        count = round(len(part) * source.weight)
+        if count == 0:
+            raise DataError(f"data.train[{k}].weight: {source.weight:g} of the {len(part)} rows of {source.path} "
+                            "keeps none; raise it")
+        whole, rest = divmod(count, len(part))
+        extra = sorted(random.Random(f"{seed}:{k}").sample(range(len(part)), rest))
+        mixed.append(part.select([i for _ in range(whole) for i in range(len(part))] + extra))
+    return mixed
 
 
 def check_trainable(train_tok, cfg: DataSection) -> None:
     """Refuse data of which truncation leaves nothing to learn."""
     empty = sum(1 for t in train_tok["targets"] if t == 0)
     if len(train_tok) and empty == len(train_tok):
-        raise DataError(f"{cfg.train}: every sample loses its whole answer to truncation at data.max_seq_len="
+        raise DataError(f"{cfg.train_name}: every sample loses its whole answer to truncation at data.max_seq_len="
                         f"{cfg.max_seq_len}; raise data.max_seq_len or shorten the prompts")
     if len(train_tok) == 0:
-        raise DataError(f"{cfg.train}: no training sample has a target token left after truncation")
+        raise DataError(f"{cfg.train_name}: no training sample has a target token left after truncation")
 
 
 def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> PreparedData:
@@ -505,12 +572,14 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     tokenized = tokenize_data(cfg, tokenizer, seed, share_prompts)
     train_tok, eval_tok = tokenized.train, tokenized.eval
     stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
-             "train_sha256": tokenized.train_rows.fingerprint,
+             "train_sha256": tokenized.train_fingerprint,
              # how rows became text: a resumed run must render them as it started (resume.check_data)
              "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
     if format_of(cfg.format).preference:
         stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)
+    if len(tokenized.sources) > 1:
+        stats["mix"] = tokenized.mix
     if tokenized.eval_rows is not None:
         stats["eval_sha256"] = tokenized.eval_rows.fingerprint
     train_tok = drop_empty(train_tok)

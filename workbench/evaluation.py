@@ -58,22 +58,24 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
             raise RecipeError(f"{flag}: must be a positive number, got {value}")
     run = load_run(run_dir)
     cfg = DataSection.model_validate(run.recipe.get("data", {}))
-    rows, path = eval_rows(cfg, data, seed=run.recipe.get("training", {}).get("seed", 42))
-    cfg = cfg.model_copy(update={"format": detect(rows.dataset.column_names, cfg.format)})
+    parts, path = eval_rows(cfg, data, seed=run.recipe.get("training", {}).get("seed", 42))
+    parts = [(rows, part_cfg.model_copy(update={"format": detect(rows.dataset.column_names, part_cfg.format)}))
+             for rows, part_cfg in parts]
+    cfg = parts[0][1]
 
     model, tokenizer = load_for_inference(run.path)
     if format_of(cfg.format).preference:
         training = run.recipe.get("training", {})
         beta = training.get("dpo_beta", 0.1) if training.get("objective") == "dpo" else 0.1
-        result = evaluate_preferences(model, tokenizer, rows, cfg, run.path, beta, limit, batch_size)
+        result = evaluate_preferences(model, tokenizer, parts, run.path, beta, limit, batch_size)
         result["beta_source"] = "training.dpo_beta" if training.get("objective") == "dpo" else "default"
         result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
         if save:
             RunDir(run.path).update_json(evaluation=result)
         return result
-    examples = build_examples(rows, tokenizer, cfg, limit)
+    examples = build_examples(parts, tokenizer, limit)
     result = {
-        "data": path, "format": cfg.format, "rows": len(examples),
+        "data": path, "format": "+".join(dict.fromkeys(c.format for _, c in parts)), "rows": len(examples),
         "rows_without_targets": sum(1 for e in examples if e.targets == 0),
         "max_new_tokens": max_new_tokens, "limit": limit, "run_steps": run.summary.get("steps"),
         "device": str(next(model.parameters()).device),
@@ -100,39 +102,52 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
 # -- rows to examples -------------------------------------------------------------------------
 
 
-def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[Rows, str]:
-    """The rows to evaluate and how to name them: `data`, else data.eval, else what eval_split held out."""
+def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[list[tuple[Rows, DataSection]], str]:
+    """The rows to evaluate, in parts each read with its settings, and how to name them: `data`, else
+    data.eval, else what eval_split held out of each training source."""
     if data is not None:
-        return load_rows(str(data), cfg.split), str(data)
+        return [(load_rows(str(data), cfg.split), cfg)], str(data)
     if cfg.eval:
-        return load_rows(cfg.eval, cfg.split), cfg.eval
+        return [(load_rows(cfg.eval, cfg.split), cfg)], cfg.eval
     if not cfg.eval_split:
         raise WorkbenchError("the run's recipe has neither data.eval nor data.eval_split: pass --data FILE")
     import datasets
 
-    # prepare_data splits the (limited) training rows with train_test_split(seed): split their
+    # tokenize_data holds out of each source's (limited) rows with train_test_split(seed): split their
     # indices the same way to find the very rows training held out.
-    rows = load_rows(cfg.train, cfg.split)
-    count = len(rows.dataset) if cfg.limit is None else min(cfg.limit, len(rows.dataset))
-    index = datasets.Dataset.from_dict({"i": list(range(count))})
-    picked = index.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)["test"]["i"]
-    held_out = Rows(rows.dataset.select(picked), rows.source, lambda k: rows.where(picked[k]), rows.fingerprint)
-    return held_out, f"{cfg.train} (the {cfg.eval_split:g} held out)"
+    parts = []
+    for source in cfg.sources:
+        rows = load_rows(source.path, cfg.split)
+        count = len(rows.dataset) if cfg.limit is None else min(cfg.limit, len(rows.dataset))
+        index = datasets.Dataset.from_dict({"i": list(range(count))})
+        picked = index.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)["test"]["i"]
+        held_out = Rows(rows.dataset.select(picked), rows.source, lambda k, rows=rows, picked=picked:
+                        rows.where(picked[k]), rows.fingerprint)
+        parts.append((held_out, cfg.model_copy(update={"train": source.path, "format": source.format})))
+    return parts, f"{cfg.train_name} (the {cfg.eval_split:g} held out)"
 
 
-def build_examples(rows, tokenizer, cfg: DataSection, limit: int | None = None) -> list[Example]:
+def _each_row(parts: list[tuple[Rows, DataSection]], limit: int | None):
+    """(row, file:line, its settings) of every part in turn, the first `limit` of them."""
+    count = 0
+    for rows, cfg in parts:
+        for i, row in enumerate(rows.dataset):
+            if limit is not None and count >= limit:
+                return
+            yield row, rows.where(i), cfg
+            count += 1
+
+
+def build_examples(parts: list[tuple[Rows, DataSection]], tokenizer, limit: int | None = None) -> list[Example]:
     examples = []
-    for i, row in enumerate(rows.dataset):
-        if limit is not None and i >= limit:
-            break
-        where = rows.where(i)
+    for row, where, cfg in _each_row(parts, limit):
         sample = tokenize_row(row, tokenizer, cfg, where)  # the training tokenization, prompt masks included
         question, reference = question_and_reference(row, cfg, where)
         examples.append(Example(sample["input_ids"], sample["labels"], sample["targets"],
                                 _prompt_ids(row, tokenizer, cfg, where) if reference else None,
                                 question, reference))
     if not examples:
-        raise DataError(f"{rows.source}: no rows to evaluate")
+        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no rows to evaluate")
     return examples
 
 
@@ -238,22 +253,21 @@ def _examples(examples: list[Example], tuned: list, base: list | None) -> list[d
 # -- preference pairs -------------------------------------------------------------------------
 
 
-def evaluate_preferences(model, tokenizer, rows, cfg: DataSection, run_path, beta: float, limit: int | None,
-                         batch_size: int) -> dict:
+def evaluate_preferences(model, tokenizer, parts: list[tuple[Rows, DataSection]], run_path, beta: float,
+                         limit: int | None, batch_size: int) -> dict:
     """Held-out pairs, the tuned model beside its base: how often each gives the chosen answer the higher
     log-probability (preference_accuracy) and by how much on average (logp_margin); for the tuned model also
     DPO's implicit rewards against the base (reward_accuracy, reward_margin, with the run's dpo_beta)."""
     pairs, without_targets = [], 0
-    for i, row in enumerate(rows.dataset):
-        if limit is not None and i >= limit:
-            break
-        example = tokenize_row(row, tokenizer, cfg, rows.where(i))
+    for row, where, cfg in _each_row(parts, limit):
+        example = tokenize_row(row, tokenizer, cfg, where)
         if example["targets"]:
             pairs.append(example)
         else:  # an answer lost to data.max_seq_len, or two answers truncation made the same
             without_targets += 1
     if not pairs:
-        raise DataError(f"{rows.source}: no pair to evaluate (every one lost an answer to data.max_seq_len)")
+        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no pair to evaluate (every one lost an "
+                        "answer to data.max_seq_len)")
     device = str(next(model.parameters()).device)
     tuned = pair_logps(model, tokenizer, pairs, batch_size)
     if hasattr(model, "disable_adapter"):  # the base is the same weights, adapter off
@@ -264,7 +278,7 @@ def evaluate_preferences(model, tokenizer, rows, cfg: DataSection, run_path, bet
         base_model, _ = load_for_inference(run_path, base=True)
         base = pair_logps(base_model, tokenizer, pairs, batch_size)
     rewards = beta * ((tuned[0] - base[0]) - (tuned[1] - base[1]))
-    return {"format": cfg.format, "rows": len(pairs), "rows_without_targets": without_targets, "limit": limit,
+    return {"format": parts[0][1].format, "rows": len(pairs), "rows_without_targets": without_targets, "limit": limit,
             "beta": beta,
             "device": device,
             "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

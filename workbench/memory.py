@@ -582,8 +582,15 @@ def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, p
 
 
 def data_tokens(recipe: Recipe) -> int | None:
-    """Tokens in one epoch of a local training file: its text characters / 4 (None when not local)."""
-    path = Path(recipe.data.train)
+    """Tokens in one epoch of local training files: their text characters / 4, each source times its weight
+    (None when a source is not a local file)."""
+    counts = [_file_tokens(Path(source.path), recipe.data.limit) for source in recipe.data.sources]
+    if any(count is None for count in counts):
+        return None
+    return max(1, round(sum(count * source.weight for count, source in zip(counts, recipe.data.sources))))
+
+
+def _file_tokens(path: Path, limit: int | None) -> int | None:
     if not path.is_file() or path.suffix.lower() not in (".jsonl", ".json", ".csv"):
         return None
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -594,8 +601,8 @@ def data_tokens(recipe: Recipe) -> int | None:
         items = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix.lower() == ".jsonl" \
             else json.loads(text)
         chars = [_text_chars(item) for item in (items if isinstance(items, list) else [items])]
-    if recipe.data.limit:
-        chars = chars[: recipe.data.limit]
+    if limit:
+        chars = chars[:limit]
     return max(1, int(sum(chars) / CHARS_PER_TOKEN))
 
 

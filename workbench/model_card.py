@@ -210,7 +210,15 @@ def _objective_section(recipe: dict, summary: dict) -> str:
 
 def _data_section(recipe: dict, summary: dict) -> str:
     data = _section(recipe, "data")
-    rows = [("train", f"{_code(data.get('train'))}", summary.get("train_samples"), _digest(summary.get("train_sha256")))]
+    if isinstance(data.get("train"), list):  # several sources mixed (summary.mix: what each gave)
+        mix = {part.get("path"): part for part in summary.get("mix") or [] if isinstance(part, dict)}
+        rows = [(f"train ({source.get('format') or data.get('format')}, weight {source.get('weight', 1)})",
+                 _code(source.get("path")), (mix.get(source.get("path")) or {}).get("samples"), "")
+                for source in data["train"] if isinstance(source, dict)]
+        rows.append(("train, mixed", "", summary.get("train_samples"), _digest(summary.get("train_sha256"))))
+    else:
+        rows = [("train", f"{_code(data.get('train'))}", summary.get("train_samples"),
+                 _digest(summary.get("train_sha256")))]
     if data.get("eval"):
         rows.append(("eval", f"{_code(data['eval'])}", summary.get("eval_samples"), _digest(summary.get("eval_sha256"))))
     elif data.get("eval_split"):
@@ -452,7 +460,10 @@ def _valid_repo_id(text: str) -> bool:
 def _eval_results(recipe: dict, summary: dict, evaluation: dict) -> list[dict]:
     """model-index results: the run's final held-out figures, and `workbench evaluate`'s tuned scores."""
     data = _section(recipe, "data")
-    held_out = data.get("eval") or (data.get("train") if data.get("eval_split") else None)
+    train = data.get("train")
+    if isinstance(train, list):  # a mix: its sources' paths
+        train = " + ".join(str(source.get("path")) for source in train if isinstance(source, dict))
+    held_out = data.get("eval") or (train if data.get("eval_split") else None)
     results = []
     if held_out:
         figures = {"loss": summary.get("eval_loss_final"), "reward_accuracy": summary.get("eval_reward_accuracy_final"),

@@ -42,8 +42,9 @@ def preflight(recipe: Recipe, tokenizer=None, model_config=None, resume: bool = 
 
 
 def check_data_files(recipe: Recipe) -> None:
-    for field in ("train", "eval"):
-        value = getattr(recipe.data, field)
+    several = not isinstance(recipe.data.train, str)
+    named = [(f"train[{k}].path" if several else "train", source.path) for k, source in enumerate(recipe.data.sources)]
+    for field, value in [*named, ("eval", recipe.data.eval)]:
         if not value:
             continue
         path = Path(value)

@@ -72,6 +72,9 @@ class DataPreview:
                  f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows left out of "
                  f"training (truncation took their answer{' or made the pair equal' if s['sequences'] > s['rows'] else ''}"
                  f"): {s['lost_answer']}"]
+        for part in s.get("mix", []):
+            lines.append(f"  {part['path']} ({part['format']}): {part['rows']} rows, weight {part['weight']:g} -> "
+                         f"{part['samples']} samples ({part['samples'] / max(s['rows'], 1):.0%} of the mix)")
         if s.get("packed_rows") is not None:
             lines.append(f"packing: {s['examples']} examples into {s['packed_rows']} rows of {s['row_len']} tokens, "
                          f"{s['packing_efficiency']:.1%} of each row used")
@@ -154,17 +157,20 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     data = tokenize_data(cfg, tokenizer, seed=recipe.training.seed)  # the split training makes
     check_trainable(data.train, cfg)  # what training refuses, the preview refuses
-    source = data.train_rows
     shown = []
-    for i in range(min(rows, len(source.dataset), cfg.limit if cfg.limit is not None else rows)):
-        where = source.where(i)
-        shown.append((where, _samples(source.dataset[i], tokenizer, cfg, fmt.preference, where)))
+    for source in data.sources:  # the first rows of each source, each rendered with its own format
+        for i in range(min(rows, len(source.rows.dataset), cfg.limit if cfg.limit is not None else rows)):
+            where = source.rows.where(i)
+            shown.append((where, _samples(source.rows.dataset[i], tokenizer, source.cfg, fmt.preference, where)))
     lengths = _sequence_lengths(data.train, fmt.preference)
     stats = _stats(data.train, lengths, cfg, fmt)
+    if len(data.sources) > 1:
+        stats["mix"] = data.mix
     if data.eval is not None:
         stats.update(eval_source=str(cfg.eval) if cfg.eval else f"data.eval_split {cfg.eval_split}",
                      eval_rows=len(data.eval), eval_tokens=sum(len(ids) for ids in data.eval["input_ids"]))
-    return DataPreview(str(cfg.train), cfg.format, cfg.max_seq_len, shown, lengths, stats)
+    formats = "+".join(dict.fromkeys(source.source.format for source in data.sources))
+    return DataPreview(cfg.train_name, formats, cfg.max_seq_len, shown, lengths, stats)
 
 
 def _sequence_lengths(tokenized, preference: bool) -> list[int]:

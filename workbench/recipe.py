@@ -12,10 +12,11 @@ import difflib
 import string
 import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from .adapter_init import INITS
 from .chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
@@ -116,8 +117,35 @@ class QuantizationSection(Section):
         lambda value: spelled(value, DTYPE_SPELLINGS))
 
 
+class DataSource(Section):
+    path: str = Field(..., description="jsonl/json/csv/parquet file or hub data set.")
+    format: Literal[FORMAT_NAMES] | None = Field(None, description="its row layout; null: data.format.")
+    weight: float = Field(1.0, gt=0, le=1000, description="its rows per epoch, as a multiple of the rows it has: 2 "
+                                                          "repeats every row, 0.5 keeps a seeded half.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_bare_path(cls, data):
+        return {"path": data} if isinstance(data, str) else data
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        if isinstance(value, bool):  # YAML's true would pass as a weight of 1
+            raise ValueError(f"expected a number such as 2 or 0.5, got {value}")
+        return value
+
+
+def _one_or_several(value) -> str:
+    return "several" if isinstance(value, list) else "one"
+
+
 class DataSection(Section):
-    train: str = Field("recipes/data/tiny_chat.jsonl", description="jsonl/json/csv/parquet file or hub data set.")
+    train: Annotated[Union[Annotated[str, Tag("one")], Annotated[list[DataSource], Tag("several")]],
+                     Discriminator(_one_or_several)] = Field(
+        "recipes/data/tiny_chat.jsonl",
+        description="jsonl/json/csv/parquet file or hub data set, or a list of sources mixed into one training set: "
+                    "[{path, format, weight}, ...] (workbench/data.py mix_sources).")
     eval: str | None = Field(None, description="held-out file; omitted: eval_split of train is held out.")
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction of train held out when eval is not given.")
     split: str = Field("train", description="split name for hub data sets.")
@@ -133,6 +161,25 @@ class DataSection(Section):
     limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
 
     _chat_template = field_validator("chat_template")(lambda value: _chat_template_value(value))
+
+    @field_validator("train")
+    @classmethod
+    def _sources_agree(cls, value, info):
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list of sources: give a file, or a list of {path, format, weight}")
+        return value
+
+    @property
+    def sources(self) -> list[DataSource]:
+        """The training sources, each with its format: one for a plain data.train."""
+        if isinstance(self.train, str):
+            return [DataSource(path=self.train, format=self.format)]
+        return [s if s.format else s.model_copy(update={"format": self.format}) for s in self.train]
+
+    @property
+    def train_name(self) -> str:
+        """data.train in messages: the file, or its sources joined."""
+        return self.train if isinstance(self.train, str) else " + ".join(s.path for s in self.train)
 
     @property
     def row_len(self) -> int:
@@ -460,8 +507,12 @@ def _describe(err: ValidationError, source: str) -> str:
     """One line per problem: `source: a.b.c: what is wrong`, with a suggestion for unknown keys."""
     lines = []
     for problem in err.errors():
-        loc = [_printable(str(p)) for p in problem["loc"]]  # a key "a\nb" must not break the line
-        path = ".".join(loc)
+        # a key "a\nb" must not break the line; the tags of data.train's two shapes are no key
+        loc = [_printable(str(p)) for p in problem["loc"] if p not in ("one", "several")]
+        path = ".".join(loc).replace(".train.", ".train[", 1)
+        if "train[" in path:  # data.train[1].weight
+            index, _, rest = path.partition("train[")[2].partition(".")
+            path = path.partition("train[")[0] + f"train[{index}]" + (f".{rest}" if rest else "")
         if problem["type"] == "extra_forbidden":
             message = f"unknown key '{loc[-1]}'"
             suggestion = _closest_key(loc)

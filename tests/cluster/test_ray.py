@@ -81,6 +81,9 @@ def test_paths_are_made_absolute_before_workers_start(tmp_path):
     assert fixed.model.path == recipe.model.path  # builtin:tiny stays a builtin
     hub = anchored(recipe.override("data.train=someone/a-dataset"), tmp_path)
     assert hub.data.train == "someone/a-dataset"  # no such local file: a hub id stays one
+    mix = anchored(recipe.override("data.train=[data/train.jsonl, {path: someone/a-dataset, weight: 2}]"), tmp_path)
+    assert [(s.path, s.weight) for s in mix.data.train] == [(str(tmp_path / "data" / "train.jsonl"), 1.0),
+                                                             ("someone/a-dataset", 2.0)]
 
 
 def test_a_missing_data_file_is_one_line_before_ray_starts(tmp_path):

@@ -98,7 +98,10 @@ def anchored(recipe: Recipe, base: Path) -> Recipe:
             return value
         return str((base / value).resolve())
 
-    changes = {"data.train": local(recipe.data.train), "data.eval": local(recipe.data.eval),
+    train = recipe.data.train
+    if not isinstance(train, str):
+        train = [source.model_copy(update={"path": local(source.path)}).model_dump() for source in train]
+    changes = {"data.train": local(train) if isinstance(train, str) else train, "data.eval": local(recipe.data.eval),
                "model.path": local(recipe.model.path),
                "distributed.deepspeed.config_file": local(recipe.distributed.deepspeed.config_file),
                "output.dir": recipe.output.dir if Path(recipe.output.dir).is_absolute()
