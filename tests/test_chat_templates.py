@@ -150,6 +150,7 @@ def test_a_template_file_that_does_not_parse_is_named_with_its_line(tmp_path, te
      r"leaves the assistant's reply out"),
     ("{{ messages[5]['content'] }}", r"cannot render a user message and a reply"),
     ("{{ raise_exception('no') }}", r"cannot render a user message and a reply: no"),
+    ("{{ 1/0 }}", r"cannot render a user message and a reply: division by zero"),
 ])
 def test_a_template_that_would_not_teach_the_model_to_stop_is_refused(tmp_path, text, message):
     (tmp_path / "t.jinja").write_text(text)

@@ -94,3 +94,8 @@ def test_show_prints_the_resolved_recipe_that_loads_back(tmp_path, capsys):
 def test_qlora_gets_default_4bit_quantization():
     recipe = Recipe.from_dict({"adapter": {"method": "qlora"}})
     assert recipe.quantization.bits == 4 and recipe.quantization.type == "nf4"
+
+
+def test_keys_named_like_the_shapes_of_data_train_are_still_named():
+    with pytest.raises(RecipeError, match=r"data.one: unknown key 'one'"):
+        Recipe.load("recipes/tiny.yaml", ["data.one=1"])

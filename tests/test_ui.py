@@ -198,6 +198,8 @@ def test_the_form_shows_and_reads_back_a_mix_of_sources(h, root):
     assert value_of(values, "data.train") == ("[{path: recipes/data/tiny_chat.jsonl, format: null, weight: 2.0}, "
                                               "{path: recipes/data/identity_train.jsonl, format: chat, weight: 0.5}]")
     assert form.dict_from_widgets(values)["data"]["train"] == sources
+    one = form.widgets_from_dict(Recipe.load(root / "recipes/tiny.yaml").override(data__train="d/a,b.jsonl").to_dict())
+    assert form.dict_from_widgets(one)["data"]["train"] == "d/a,b.jsonl"  # one file whose name holds a comma
     assert "valid recipe" in h.form_changed(*values)[1]
 
 

@@ -229,6 +229,8 @@ def from_widget(spec: FieldSpec, value: Any) -> Any:
         items = _parse_list(value)
         return items if items is not None or spec.optional else []
     if spec.kind == "str_or_list":
+        if spec.key == "data.train" and not str(value or "").strip().startswith("["):
+            return str(value or "").strip() or None  # one file: a comma may be part of its name
         items = _parse_list(value)
         if items is None:
             return None

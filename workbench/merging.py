@@ -61,7 +61,8 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
         generation.pad_token_id = tokenizer.pad_token_id
     # a run's chat template may end turns with a token of its own (data.chat_template): generation stops there too
     stops = stop_token_ids(model, tokenizer)
-    generation.eos_token_id = stops if len(stops) > 1 else stops[0]
+    if stops:
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     # Written beside the target under a name of this merge's own and renamed into place, so a crash never
     # leaves a half model and no folder of the user's is taken for the staging one.

@@ -211,10 +211,10 @@ def _objective_section(recipe: dict, summary: dict) -> str:
 def _data_section(recipe: dict, summary: dict) -> str:
     data = _section(recipe, "data")
     if isinstance(data.get("train"), list):  # several sources mixed (summary.mix: what each gave)
-        mix = {part.get("path"): part for part in summary.get("mix") or [] if isinstance(part, dict)}
-        rows = [(f"train ({source.get('format') or data.get('format')}, weight {source.get('weight', 1)})",
-                 _code(source.get("path")), (mix.get(source.get("path")) or {}).get("samples"), "")
-                for source in data["train"] if isinstance(source, dict)]
+        mix = [part if isinstance(part, dict) else {} for part in summary.get("mix") or []]
+        rows = [(f"train ({source.get('format') or data.get('format')}, weight {source.get('weight', 1):g})",
+                 _code(source.get("path")), (mix[k] if k < len(mix) else {}).get("samples"), "")
+                for k, source in enumerate(data["train"]) if isinstance(source, dict)]
         rows.append(("train, mixed", "", summary.get("train_samples"), _digest(summary.get("train_sha256"))))
     else:
         rows = [("train", f"{_code(data.get('train'))}", summary.get("train_samples"),

@@ -508,7 +508,9 @@ def _describe(err: ValidationError, source: str) -> str:
     lines = []
     for problem in err.errors():
         # a key "a\nb" must not break the line; the tags of data.train's two shapes are no key
-        loc = [_printable(str(p)) for p in problem["loc"] if p not in ("one", "several")]
+        raw = problem["loc"]
+        loc = [_printable(str(p)) for i, p in enumerate(raw)
+               if not (p in ("one", "several") and i and raw[i - 1] == "train")]
         path = ".".join(loc).replace(".train.", ".train[", 1)
         if "train[" in path:  # data.train[1].weight
             index, _, rest = path.partition("train[")[2].partition(".")
