@@ -122,6 +122,20 @@ def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path, reference):
     assert_same_adapter(adapter(run_dir), reference)
 
 
+def test_ctrl_c_held_down_while_loading_still_exits_130(tmp_path):
+    """SIGINT after SIGINT while the libraries load (a held Ctrl-C, a launcher forwarding the UI's Stop): the first
+    stops the run, the rest must not turn its exit code 130 into death by the signal while Python shuts down."""
+    run_dir = tmp_path / "held"
+    process = start(run_dir)
+    time.sleep(1.0)  # past the interpreter's start-up, into the imports
+    while process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.01)
+    code, out = finish(process)
+    assert code == 130, out
+    assert not (run_dir / "adapter").exists()
+
+
 def test_sigterm_stops_every_rank_of_a_two_process_run_together(tmp_path):
     two = ["distributed.strategy=ddp", "output.save_every=null"]
     reference_dir = tmp_path / "reference-2"

@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while the libraries load: nothing was written yet
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted("interrupted", 130, argv)
     except OSError as err:  # a full disk, a read-only cache, a name too long: one line, not a traceback
         if isinstance(err, BrokenPipeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -60,14 +59,22 @@ def _main(argv: list[str] | None) -> int:
     try:
         return args.handler(args) or 0
     except Interrupted as err:
-        print(f"{_rank_prefix()}{err}", file=sys.stderr)
-        return err.exit_code
+        return _interrupted(f"{_rank_prefix()}{err}", err.exit_code, argv)
     except WorkbenchError as err:
         print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted("interrupted", 130, argv)
+
+
+def _interrupted(message: str, exit_code: int, argv: list[str] | None) -> int:
+    """Say why and give the exit code of a stopped run. In the program itself (argv from the command line) another
+    SIGINT from here on is ignored: Python puts the default action back while it shuts down, and a second Ctrl-C
+    (or a launcher's copy of the first) landing then would end the process by the signal instead of this code."""
+    print(message, file=sys.stderr)
+    if argv is None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return exit_code
 
 
 def _resume_auto(argv: list[str]) -> list[str]:
