@@ -204,7 +204,9 @@ def test_a_run_saves_its_template_beside_its_adapter_and_into_its_gguf(tmp_path)
     assert (adapter / "chat_template.jinja").read_text() == template.read_text()
     config = json.loads((adapter / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|endoftext|>"  # the template's turn end, not the tokenizer's <|im_end|>
-    assert f"Chat template `{template}` in place of the base tokenizer's" in (adapter / "README.md").read_text()
+    card = (adapter / "README.md").read_text()
+    assert "Chat template `plain.jinja` in place of the base tokenizer's" in card
+    assert str(tmp_path) not in card.split("Chat template")[1].split("\n")[0]  # a file name, not where it lay
     out = export_gguf(run, tmp_path / "model.gguf")
     fields = GGUFReader(out).fields
     stored = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()

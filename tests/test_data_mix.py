@@ -152,3 +152,51 @@ def test_a_mixed_run_resumes_exactly_and_evaluates_each_source(tiny_recipe, tmp_
     assert f"| train (alpaca, weight 0.5) | `{tmp_path}/alpaca.jsonl` | 18 |" in card
     result = evaluate(resumed.run_dir, max_new_tokens=4, save=False)
     assert result["rows"] == 20 + 4 and result["format"] == "chat+alpaca"  # a tenth of each source, held out
+
+
+def test_one_weighted_source_is_a_mix_and_its_weight_is_in_the_fingerprint(tiny_recipe):
+    tokenizer = load_tokenizer(tiny_recipe.model)
+    plain = tokenize_data(tiny_recipe.data, tokenizer, seed=1)
+    doubled = tokenize_data(tiny_recipe.override(data__train=[{"path": CHAT, "weight": 2}]).data, tokenizer, seed=1)
+    assert doubled.mixed and not plain.mixed
+    assert len(doubled.train) == 2 * len(plain.train)
+    assert doubled.train_fingerprint != plain.train_fingerprint  # a resume with another weight is refused
+
+
+def test_the_mix_counts_rows_after_data_limit(tiny_recipe, tmp_path):
+    recipe = mixed(tiny_recipe, tmp_path, limit=30)
+    data = tokenize_data(recipe.data, load_tokenizer(recipe.model), seed=1)
+    assert [(p["rows"], p["samples"]) for p in data.mix] == [(30, 60), (30, 15)]
+
+
+def test_a_source_that_truncation_empties_is_refused_by_name(tiny_recipe, tmp_path):
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"instruction": "word " * 400, "input": "", "output": "yes"}) + "\n"
+                            for _ in range(4)))
+    recipe = tiny_recipe.override(data__train=[CHAT, {"path": str(long), "format": "alpaca"}])
+    with pytest.raises(DataError, match=rf"data.train\[1\] \({long}\): no sample keeps a target token"):
+        tokenize_data(recipe.data, load_tokenizer(recipe.model))
+
+
+def test_evaluate_limit_takes_rows_of_every_source_in_turn():
+    import datasets
+
+    from workbench.data import Rows
+    from workbench.evaluation import _each_row
+
+    def part(name, count):
+        rows = Rows(datasets.Dataset.from_dict({"i": list(range(count))}), name, lambda k: f"{name}:{k + 1}", name)
+        return rows, name
+
+    taken = [(where, cfg) for _, where, cfg in _each_row([part("a", 3), part("b", 1)], limit=3)]
+    assert taken == [("a:1", "a"), ("b:1", "b"), ("a:2", "a")]
+    assert len(list(_each_row([part("a", 3), part("b", 1)], limit=None))) == 4
+
+
+def test_a_data_error_leaves_no_empty_run_directory(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "not a list"}\n')
+    run = tmp_path / "runs" / "bad-data"
+    assert main(["train", "recipes/tiny.yaml", f"data.train={bad}", f"output.dir={run}", "--no-progress"]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert not run.exists() and (tmp_path / "runs").is_dir()

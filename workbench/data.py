@@ -480,9 +480,14 @@ class TokenizedData:
     mix: list[dict] = field(default_factory=list)  # per source: path, format, weight, rows, samples in train
 
     @property
+    def mixed(self) -> bool:
+        """Several sources, or one weighted: what trains is not simply the file."""
+        return len(self.sources) > 1 or self.sources[0].source.weight != 1
+
+    @property
     def train_fingerprint(self) -> str:
         """The content hash of the training data: the file's for one source, of the sources and weights for a mix."""
-        if len(self.sources) == 1:
+        if not self.mixed:
             return self.sources[0].rows.fingerprint
         parts = [f"{d.rows.fingerprint}|{d.source.format}|{d.source.weight!r}" for d in self.sources]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -496,6 +501,8 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
         source_cfg = cfg.model_copy(update={"train": source.path, "format": source.format})
         rows = load_rows(source.path, cfg.split, _row_check(source.format), format_of(source.format).fields)
         tokenized, was_cached = tokenize_rows(rows, tokenizer, source_cfg, cfg.limit, share_prompts)
+        if len(cfg.sources) > 1:  # one source alone is judged whole by check_trainable
+            _check_source_trainable(tokenized, len(sources), source.path, cfg)
         sources.append(SourceData(source, source_cfg, rows, tokenized))
         cached = cached and was_cached
     trains, held_out = [], []
@@ -506,7 +513,7 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
             held_out.append(held)
         trains.append(train_tok)
     trains = mix_sources(trains, [d.source for d in sources], seed)
-    mix = [{"path": d.source.path, "format": d.source.format, "weight": d.source.weight, "rows": len(d.rows.dataset),
+    mix = [{"path": d.source.path, "format": d.source.format, "weight": d.source.weight, "rows": len(d.tokenized),
             "samples": len(part)} for d, part in zip(sources, trains)]
     eval_tok, eval_rows = None, None
     if cfg.eval:
@@ -529,13 +536,22 @@ def _concatenated(parts: list):
 
 def hold_out(tokenized, fraction: float, seed: int, source: str):
     """(train, held out): `fraction` of a source's rows, drawn with `seed` (evaluation.eval_rows finds the
-    same rows again)."""
+    same rows again through held_out_indices)."""
     held = math.ceil(len(tokenized) * fraction)
     if not 0 < held < len(tokenized):
         raise DataError(f"{source}: data.eval_split {fraction} of {len(tokenized)} rows leaves no "
                         "rows to train on; lower it or give data.eval a file")
-    parts = tokenized.train_test_split(test_size=fraction, seed=seed, shuffle=True)
-    return parts["train"], parts["test"]
+    train, test = held_out_indices(len(tokenized), fraction, seed)
+    return tokenized.select(train), tokenized.select(test)
+
+
+def held_out_indices(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(kept, held out) row indices of data.eval_split: the one place that draws them."""
+    import datasets
+
+    index = datasets.Dataset.from_dict({"i": list(range(count))})
+    parts = index.train_test_split(test_size=fraction, seed=seed, shuffle=True)
+    return parts["train"]["i"], parts["test"]["i"]
 
 
 def mix_sources(parts: list, sources: list, seed: int) -> list:
@@ -555,6 +571,15 @@ def mix_sources(parts: list, sources: list, seed: int) -> list:
         extra = sorted(random.Random(f"{seed}:{k}").sample(range(len(part)), rest))
         mixed.append(part.select([i for _ in range(whole) for i in range(len(part))] + extra))
     return mixed
+
+
+def _check_source_trainable(tokenized, k: int, path: str, cfg: DataSection) -> None:
+    """A source of a mix that truncation (or data.limit) leaves without a target token: refused by name rather
+    than dropped from the mix without a word."""
+    if not any(t > 0 for t in tokenized["targets"]):
+        raise DataError(f"data.train[{k}] ({path}): no sample keeps a target token after truncation at "
+                        f"data.max_seq_len={cfg.max_seq_len}; raise data.max_seq_len, shorten its prompts or "
+                        "drop the source")
 
 
 def check_trainable(train_tok, cfg: DataSection) -> None:
@@ -578,7 +603,7 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     if format_of(cfg.format).preference:
         stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)
-    if len(tokenized.sources) > 1:
+    if tokenized.mixed:
         stats["mix"] = tokenized.mix
     if tokenized.eval_rows is not None:
         stats["eval_sha256"] = tokenized.eval_rows.fingerprint

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .data import IGNORE, Collator, Rows, load_rows, tokenize_row
+from .data import IGNORE, Collator, Rows, held_out_indices, load_rows, tokenize_row
 from .errors import DataError, RecipeError, WorkbenchError
 from .formats import detect, format_of
 from .quiet import leaves_the_process_as_found
@@ -111,16 +111,12 @@ def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[lis
         return [(load_rows(cfg.eval, cfg.split), cfg)], cfg.eval
     if not cfg.eval_split:
         raise WorkbenchError("the run's recipe has neither data.eval nor data.eval_split: pass --data FILE")
-    import datasets
-
-    # tokenize_data holds out of each source's (limited) rows with train_test_split(seed): split their
-    # indices the same way to find the very rows training held out.
+    # tokenize_data holds out of each source's (limited) rows: the same indices are the very rows it held out
     parts = []
     for source in cfg.sources:
         rows = load_rows(source.path, cfg.split)
         count = len(rows.dataset) if cfg.limit is None else min(cfg.limit, len(rows.dataset))
-        index = datasets.Dataset.from_dict({"i": list(range(count))})
-        picked = index.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)["test"]["i"]
+        picked = held_out_indices(count, cfg.eval_split, seed)[1]
         held_out = Rows(rows.dataset.select(picked), rows.source, lambda k, rows=rows, picked=picked:
                         rows.where(picked[k]), rows.fingerprint)
         parts.append((held_out, cfg.model_copy(update={"train": source.path, "format": source.format})))
@@ -128,14 +124,16 @@ def eval_rows(cfg: DataSection, data: str | Path | None, seed: int) -> tuple[lis
 
 
 def _each_row(parts: list[tuple[Rows, DataSection]], limit: int | None):
-    """(row, file:line, its settings) of every part in turn, the first `limit` of them."""
-    count = 0
-    for rows, cfg in parts:
-        for i, row in enumerate(rows.dataset):
-            if limit is not None and count >= limit:
+    """(row, file:line, its settings): a row of each part in turn, so that `limit` rows sample every source."""
+    taken = 0
+    for i in range(max(len(rows.dataset) for rows, _ in parts)):
+        for rows, cfg in parts:
+            if i >= len(rows.dataset):
+                continue
+            if limit is not None and taken >= limit:
                 return
-            yield row, rows.where(i), cfg
-            count += 1
+            yield rows.dataset[i], rows.where(i), cfg
+            taken += 1
 
 
 def build_examples(parts: list[tuple[Rows, DataSection]], tokenizer, limit: int | None = None) -> list[Example]:

@@ -12,6 +12,7 @@ import re
 import warnings
 from pathlib import Path
 
+from .chat_templates import TEMPLATES
 from .run_summary import RunSummary
 
 
@@ -230,7 +231,9 @@ def _data_section(recipe: dict, summary: dict) -> str:
                 f"{', packed' if data.get('packing') else ''}{loss_on}"
                 + (f", first {data['limit']} rows" if data.get("limit") else "") + ".")
     if data.get("chat_template"):
-        settings += (f" Chat template {_code(data['chat_template'])} in place of the base tokenizer's "
+        template = data["chat_template"]  # a registered name, or a file: named by its file name, not where it lay
+        settings += (f" Chat template {_code(template if template in TEMPLATES else Path(template).name)} in place "
+                     "of the base tokenizer's "
                      "(saved beside the weights as `chat_template.jinja`).")
     return f"## Data\n\n{table}\n\n{settings}"
 

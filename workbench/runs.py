@@ -5,6 +5,7 @@ runs/<name>/recipe.yaml, run.json, metrics.jsonl, adapter/, checkpoints/step-N/ 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -102,6 +103,7 @@ class RunDir:
         if exists and not (resume or overwrite):
             raise WorkbenchError(
                 f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it")
+        self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # a dangling symbolic link, a name too long, no permission
@@ -206,6 +208,9 @@ class RunDir:
         if lock is not None:
             lock.release()
             self._lock = None
+            if getattr(self, "_created", False):  # refused before writing anything (bad data, say): no empty folder
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()  # only ever removes an empty folder
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step}"
