@@ -61,7 +61,7 @@ def test_auto_runs_the_complete_layout_it_chose():
     """Where no replica fits, auto resolves to a sharded layout, and the recipe it returns builds exactly that
     (the stage and sharding, not the recipe's own deepspeed/fsdp defaults)."""
     recipe = tiny()
-    memory = memory_between(recipe, 2, "fsdp", "zero2")
+    memory = memory_between(recipe, 2, "fsdp", "ddp")  # the ZeRO layouts hold DeepSpeed's import too
     resolved, layout, why = resolve(recipe.override(distributed__device_memory=memory), 2)
     assert layout == FSDP and why.startswith("auto: fsdp is the first layout that fits")
     assert layout_of(resolved, 2) == FSDP and resolved.distributed.strategy == "fsdp"
@@ -71,7 +71,7 @@ def test_auto_skips_the_layouts_the_recipe_cannot_run_and_says_so():
     """QLoRA with uint8 storage cannot be sharded: auto must not pick FSDP or ZeRO-3 for it."""
     recipe = tiny("adapter.method=qlora", "model.dtype=float32", "training.mixed_precision=no")
     rows = {s["name"]: s["cpu_bytes"] for s in estimate(recipe, world_size=2, device="cpu").strategies}
-    memory = (rows["fsdp"] + rows["zero2"]) // 2  # only a sharded layout fits ...
+    memory = (rows["fsdp"] + rows["ddp"]) // 2  # only a sharded layout fits ...
     with pytest.raises(RecipeError, match=r"auto found no layout that fits .*\(fsdp, zero3.* not allowed"):
         resolve(recipe.override(distributed__device_memory=memory), 2)
     roomy = recipe.override(distributed__device_memory=rows["ddp"] * 2)  # ... and with room, a replica
@@ -118,3 +118,29 @@ def test_bad_distributed_limits_name_the_field(override, message):
 def test_estimate_plans_for_the_recipes_device_memory():
     est = estimate(tiny("distributed.device_memory=3GiB"), world_size=2, device="cpu")
     assert est.device["memory_bytes"] == 3 * 2**30
+
+
+def test_a_run_without_deepspeed_never_imports_it():
+    """distributed.unwrap peels what Accelerate's unwrap would (its mixed-precision forward included) without the
+    import of DeepSpeed that costs every process seconds and ~130 MiB; the estimator charges it to DeepSpeed alone."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from accelerate import Accelerator
+from workbench.distributed import full_state_dict, unwrap
+accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+model = accelerator.prepare(torch.nn.Linear(4, 4))
+assert "_original_forward" in model.__dict__
+assert full_state_dict(accelerator, model).keys() == {"weight", "bias"}
+plain = unwrap(accelerator, model, keep_fp32_wrapper=False)
+assert plain is model and "_original_forward" not in plain.__dict__
+assert plain(torch.ones(1, 4)).dtype == torch.float32  # the autocast wrapper is gone
+assert "deepspeed" not in sys.modules
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    rows = {row["name"]: row for row in estimate(Recipe.load("recipes/tiny.yaml"), world_size=2, device="cpu").strategies}
+    assert rows["zero2"]["breakdown"]["other"] > rows["ddp"]["breakdown"]["other"]

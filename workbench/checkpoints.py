@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .distributed import unwrap
 from .errors import WorkbenchError
 from .runs import RunDir, write_json_atomic
 from .strategies import Layout
@@ -136,7 +137,7 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
     """Whole trainable weights and AdamW moments by parameter name, on the main process (None: not kept).
 
     Kept for adapters (small at any scale); a full fine-tuning's whole optimizer state is not gathered."""
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     named = [(name, p) for name, p in unwrapped.named_parameters() if p.requires_grad]
     if not named or not any(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters() if not p.requires_grad):
         return None  # full fine-tuning: nothing frozen (ZeRO-3 keeps a parameter's size in ds_numel)
@@ -187,7 +188,7 @@ def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, schedu
 
     meta = plan.portable
     tensors = load_file(str(plan.path / PORTABLE_TENSORS))
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
     trainable = [name for name, p in unwrapped.named_parameters() if p.requires_grad]
     set_model_state_dict(unwrapped, {name: tensors[f"weight/{name}"] for name in trainable}, options=options)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from types import MethodType
 
 import torch
 
@@ -129,6 +131,34 @@ def patience(seconds: float, then: float):
         yield
     finally:
         collective_timeout(then)
+
+
+def unwrap(accelerator, model, keep_fp32_wrapper: bool = True):
+    """accelerator.unwrap_model, without importing DeepSpeed into a run that does not use it.
+
+    Accelerate imports DeepSpeed wherever it is installed, to test for its engine: 1-5 s and ~130 MiB in every
+    process (most of it trackers that DeepSpeed's autotuner imports). A model can be a DeepSpeed engine only once
+    DeepSpeed is imported; until then the one container to peel is torch's DDP (FSDP2 shards in place)."""
+    if "deepspeed" in sys.modules:
+        return accelerator.unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper)
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    if not keep_fp32_wrapper:  # the mixed-precision forward that prepare() installed, as Accelerate removes it
+        original = model.__dict__.pop("_original_forward", None)
+        if original is not None:
+            forward = model.forward
+            while hasattr(forward, "__wrapped__") and forward != original:
+                forward = forward.__wrapped__
+            model.forward = original if forward == original else MethodType(forward, model)
+    return model
+
+
+def full_state_dict(accelerator, model) -> dict:
+    """accelerator.get_state_dict (whole weights on the main process); a model no engine shards holds them itself,
+    and asking Accelerate would import DeepSpeed (see `unwrap`)."""
+    if "deepspeed" in sys.modules or accelerator.is_fsdp2:
+        return accelerator.get_state_dict(model)
+    return unwrap(accelerator, model).state_dict()
 
 
 def accumulation_boundary(accelerator, model, last: bool):

@@ -488,8 +488,9 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
+    uses_deepspeed = layout.strategy == "deepspeed"  # its import is held by the runs that use it alone
     if dev.kind == "cpu":  # elsewhere it is host memory, below
-        other += t["initial_adapter"]
+        other += t["initial_adapter"] + cpu_runtime_bytes(uses_deepspeed) - cpu_runtime_bytes()
     if layout.shards_weights:
         other += t["gathered_weights"]
     offloaded = 0
@@ -502,7 +503,7 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
     breakdown = {**part, "activations": activations, "other": other}
     per_device = sum(breakdown.values())
-    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes() + offloaded + t["initial_adapter"]
+    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes(uses_deepspeed) + offloaded + t["initial_adapter"]
     cpu_bytes = local * host
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
     return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),

@@ -38,15 +38,27 @@ def peak_rss_bytes() -> int:
     Linux keeps ru_maxrss across exec, so a child of a large process (a test runner, a launcher)
     would report its parent's peak; VmHWM belongs to the process's own address space.
     """
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there to read it)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def _status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+    return None
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

@@ -177,8 +177,9 @@ def cpu_decomposition_rate() -> float:
 
 
 @once
-def cpu_runtime_bytes() -> int:
-    """Peak RSS of a fresh process that imports the training stack and runs one toy LoRA step.
+def cpu_runtime_bytes(deepspeed: bool = False) -> int:
+    """Peak RSS of a fresh process that imports the training stack and runs one toy LoRA step; with `deepspeed`,
+    plus what importing DeepSpeed adds (only runs that use it import it).
 
     Measured once per set of library versions (a few seconds in a subprocess) and cached on disk.
     """
@@ -190,14 +191,15 @@ def cpu_runtime_bytes() -> int:
         except PackageNotFoundError:
             return "-"
 
-    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak); "unwrap": the probe
-    # unwraps its model as runs do, which imports DeepSpeed where it is installed
-    key = "|".join(["vmhwm-unwrap", sys.version.split()[0], sys.platform] + [ver(p) for p in (
+    # "vmhwm": measured as the probe's own peak (earlier entries could hold a parent's peak); "no-deepspeed": the
+    # probe unwraps its model as runs do, which no longer imports DeepSpeed into a run that does not use it
+    key = "|".join(["vmhwm-no-deepspeed", sys.version.split()[0], sys.platform] + [ver(p) for p in (
         "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers", "deepspeed")])
-    return int(stored("cpu_runtime.json", key, _measure_runtime)[0])
+    measured = stored("cpu_runtime.json", key, _measure_runtime)[0]
+    return int(measured["peak_rss_bytes"] + (measured["deepspeed_bytes"] if deepspeed else 0))
 
 
-def _measure_runtime() -> int:
+def _measure_runtime() -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-m", "workbench.hardware.runtime_probe"], capture_output=True,
@@ -205,7 +207,7 @@ def _measure_runtime() -> int:
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
         raise RuntimeError(f"measuring the CPU runtime baseline failed: {result.stderr[-2000:]}")
-    return int(json.loads(lines[-1])["peak_rss_bytes"])
+    return json.loads(lines[-1])
 
 
 @once

@@ -1,8 +1,10 @@
 """What every training process holds before its model, measured in a fresh process:
-`python -m workbench.hardware.runtime_probe` prints {"peak_rss_bytes": N} (probes.cpu_runtime_bytes runs it)."""
+`python -m workbench.hardware.runtime_probe` prints {"peak_rss_bytes": N, "deepspeed_bytes": M}: M, what importing
+DeepSpeed adds, is held only by runs that use it (probes.cpu_runtime_bytes runs this)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import datasets
@@ -14,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import workbench.training.entry  # noqa: F401  (the whole training stack)
 from workbench.builtin import CHATML_TEMPLATE
-from workbench.metrics import peak_rss_bytes
+from workbench.distributed import unwrap
+from workbench.metrics import peak_rss_bytes, rss_bytes
 
 
 def main() -> None:
@@ -29,13 +32,19 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Every run unwraps its model, and Accelerate's unwrap imports DeepSpeed where it is installed (~140 MiB).
-    accelerator.unwrap_model(model)
+    unwrap(accelerator, model)
     ids = torch.randint(0, 64, (2, 16))
     for _ in range(2):
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         optimizer.step()
         optimizer.zero_grad()
-    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+    peak, before = peak_rss_bytes(), rss_bytes()
+    added = 0
+    if importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed  # noqa: F401
+
+        added = max(0, rss_bytes() - before)
+    print(json.dumps({"peak_rss_bytes": peak, "deepspeed_bytes": added}))
 
 
 if __name__ == "__main__":

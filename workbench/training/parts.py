@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
-from ..distributed import host_transfer
+from ..distributed import full_state_dict, host_transfer, unwrap
 from ..errors import WorkbenchError
 from ..inference import Answer, answer
 from ..model_card import write_model_card_or_warn
@@ -136,8 +136,8 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
     """The adapter (or a full fine-tune's model) into the run directory. `initial`: the A0/B0 of an init that
     rewrote the base (PiSSA, OLoRA), from which the adapter is saved converted for the published base."""
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-    state = accelerator.get_state_dict(model)
+    unwrapped = unwrap(accelerator, model, keep_fp32_wrapper=False)
+    state = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         target = run.adapter if recipe.adapter.method != "full" else run.model
         # staged and renamed into place, as checkpoints are: a kill or a full disk mid-write leaves the
@@ -159,7 +159,7 @@ def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str
     prompts = recipe.output.sample_prompts
     if not prompts:
         return None
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     return [(p, answer(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))
             for p in prompts]
 

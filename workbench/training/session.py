@@ -23,7 +23,7 @@ from ..attention import with_implementation as attention_for
 from ..data import STAND_IN, Collator, StepBatches, TrainRows, prepare_data
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
-                           release_accelerator_state, verify_launch)
+                           release_accelerator_state, unwrap, verify_launch)
 from ..errors import Interrupted, NonFiniteError, WorkbenchError
 from ..fastpath import apply_fast_paths, compile_layers
 from ..hardware.catalogue import peak_flops
@@ -235,7 +235,7 @@ class TrainingSession:
 
         # the loss: next-token (sft) or a preference (dpo's reference is this model with the adapter off)
         self.objective = objectives.build(recipe, self.loss_sum_of,
-                                          objectives.adapter_off_of(accelerator.unwrap_model(self.model)))
+                                          objectives.adapter_off_of(unwrap(accelerator, self.model)))
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
         checkpoint = self.resuming.checkpoint
         if checkpoint is not None:
