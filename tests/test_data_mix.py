@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from workbench import train
 from workbench.cli import main
 from workbench.data import mix_sources, tokenize_data
-from workbench.errors import DataError, RecipeError
+from workbench.errors import DataError
 from workbench.models import load_tokenizer
-from workbench.recipe import DataSource, Recipe
+from workbench.recipe import DataSource
 from workbench.runs import RunDir
 
 CHAT = "recipes/data/tiny_chat.jsonl"
