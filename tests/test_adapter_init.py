@@ -131,7 +131,10 @@ def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_an
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, got .loftq2."),
+    (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, eva, got .loftq2."),
+    (["adapter.init=eva", "adapter.method=dora"], "adapter.init: eva with DoRA is not supported"),
+    (["adapter.init=eva", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3"],
+     "adapter.init: eva runs forward passes over the training data at start-up, which ZeRO-3 has already"),
     (["adapter.lora_plus_ratio=0.5"], "adapter.lora_plus_ratio"),
     (["adapter.lora_plus_ratio=1e308"], "adapter.lora_plus_ratio: Input should be less than or equal to 1024"),
     (["adapter.lora_plus_ratio=true"], "adapter.lora_plus_ratio: expected a number such as 16, got True"),
@@ -160,6 +163,15 @@ def test_the_estimator_counts_a_decomposing_inits_start_up():
     assert any(note.startswith("adapter.init pissa: every target weight is decomposed") for note in pissa.notes)
 
 
+def test_the_estimator_says_what_evas_start_up_reads():
+    from workbench.memory import estimate
+
+    eva = estimate(tiny("adapter.init=eva"))
+    assert eva.terms["init_transient"] > 0 and eva.terms["initial_adapter"] == 0  # the base is untouched: no A0/B0
+    assert any(note.startswith("adapter.init eva: forward passes over the first training micro-batches")
+               for note in eva.notes)
+
+
 def test_dpo_after_an_init_that_rewrites_the_base_is_refused(tmp_path, capsys):
     """DPO's reference is the adapter switched off: after PiSSA that is the residual base, not the published model."""
     assert main(["train", "recipes/tiny-dpo.yaml", "adapter.init=pissa", f"output.dir={tmp_path}/run"]) == 2
@@ -174,3 +186,73 @@ def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
     refused = {s["name"]: s["refused"] for s in est.strategies if s["refused"]}
     assert set(refused) == {"zero3", "zero3_offload"} and est.recommended not in refused
     assert "zero3 refused: adapter.init: olora decomposes" in est.to_text(width=300)
+
+
+# -- EVA: from the run's own data ----------------------------------------------------------------------
+
+
+def eva_inputs(recipe):
+    from workbench.data import Collator, FirstEpochBatches, prepare_data
+    from workbench.models import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.model)
+    data = prepare_data(recipe.data, tokenizer, seed=recipe.training.seed)
+    return FirstEpochBatches(data.train, Collator(tokenizer.pad_token_id), recipe.training.micro_batch_size, 1, 0,
+                             recipe.training.seed)
+
+
+def test_eva_is_pefts_own_on_the_runs_first_batches():
+    """The components, ranks and scalings of peft's EVA on the same micro-batches (unpacked rows: the model's own
+    attention mask changes nothing there), and B = 0: the adapter starts as a no-op."""
+    from peft import EvaConfig, LoraConfig, get_peft_model, initialize_lora_eva_weights
+
+    from workbench.adapter_init import EVA_RHO, initialize_eva
+
+    recipe = tiny("adapter.init=eva", "data.packing=false", "data.limit=48")
+    batches = eva_inputs(recipe)
+    torch.manual_seed(0)
+    ours = attach_adapter(load_base_model(recipe), recipe)
+    components = initialize_eva(ours, batches)
+    torch.manual_seed(0)
+    a = recipe.adapter
+    reference = get_peft_model(load_base_model(recipe), LoraConfig(
+        r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=target_modules(a), init_lora_weights="eva",
+        eva_config=EvaConfig(rho=EVA_RHO), task_type="CAUSAL_LM"))
+    initialize_lora_eva_weights(reference, dataloader=list(batches), show_progress_bar=False)
+    theirs = dict(reference.named_parameters())
+    mine = dict(ours.named_parameters())
+    assert mine.keys() == theirs.keys() and components
+    assert max(float((mine[k] - theirs[k]).detach().abs().max()) for k in mine) < 1e-5
+    assert ours.peft_config["default"].rank_pattern == reference.peft_config["default"].rank_pattern
+    assert all(float(p.abs().max()) == 0 for k, p in mine.items() if ".lora_B." in k)
+
+
+@pytest.mark.slow
+def test_an_eva_run_trains_and_resumes_from_the_components_it_saved(tmp_path):
+    from peft import PeftModel
+
+    steps = ["adapter.init=eva", "data.limit=48", "training.max_steps=6", "output.save_every=3", "output.log_every=1",
+             "output.eval_every=null", "adapter.dropout=0"]
+    whole = train(tiny(*steps, out=tmp_path / "whole"), progress_bar=False)
+    losses = [row["loss"] for row in _rows(whole.run_dir) if "loss" in row]
+    assert losses[-1] < losses[0]
+    saved = load_file(str(whole.run_dir / "eva_init.safetensors"))
+    config = PeftModel.from_pretrained(load_base_model(tiny()), whole.run_dir / "adapter").peft_config["default"]
+    assert config.rank_pattern and {v for v in config.rank_pattern.values()} <= set(range(1, 2 * config.r + 1))
+    assert saved  # the components the run started from, by layer
+
+    cut = tmp_path / "cut"
+    shutil.copytree(whole.run_dir, cut)
+    run = RunDir(cut)
+    shutil.rmtree(run.checkpoint(6))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    # the resume reads the saved components, not the data: a changed set of them would show here
+    resumed = train(tiny(*steps, out=cut), resume=True, progress_bar=False)
+    a, b = load_file(str(whole.run_dir / "adapter/adapter_model.safetensors")), load_file(
+        str(resumed.run_dir / "adapter/adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+    (cut / "eva_init.safetensors").unlink()
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    assert main(["train", str(cut / "recipe.yaml"), "--resume", "--no-progress"]) == 1

@@ -9,6 +9,12 @@ usable on the base model as published:
 - pissa     A and B from the top-r singular vectors of each target weight W, which keeps the residual W - BA in
             place of W (the base weights change); converges faster than default on many tasks.
 - olora     A and B from a QR decomposition of W; the base weights change the same way.
+- eva       A from the top right-singular vectors of each target layer's inputs on the run's own training data
+            (Paischer et al., 2024), B = 0, with ranks redistributed between layers by explained variance (peft's
+            rho 2: a layer gets up to 2r, the total stays r per layer). The base is untouched. It runs forward passes
+            over the first training micro-batches (each rank its own; peft gathers them) until the components
+            converge; the result is kept in the run directory (`eva_init.safetensors`) so that a resume, on any
+            layout, starts from the very same adapter.
 
 PiSSA and OLoRA move part of W into the adapter. An adapter trained from them applies to the residual base, not
 to the published one, so it is saved converted (peft's `path_initial_model_for_weight_conversion`, done here on
@@ -29,7 +35,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-INITS = ("default", "gaussian", "pissa", "olora")
+INITS = ("default", "gaussian", "pissa", "olora", "eva")
+EVA_RHO = 2.0  # peft's default: a layer's rank may grow to rho x r as others shrink
+EVA_FILE = "eva_init.safetensors"  # in the run directory: the components EVA chose, for a resume
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Init:
     peft_value: bool | str  # LoraConfig.init_lora_weights
     changes_base: bool  # the residual base replaces W: the saved adapter is converted
     decomposes: bool  # an SVD or QR of every target weight at start-up (time and a float32 copy of the weight)
+    needs_data: bool = False  # computed from the training data's activations (forward passes at start-up)
 
 
 TABLE = {
@@ -45,6 +54,7 @@ TABLE = {
     "gaussian": Init("gaussian", "gaussian", changes_base=False, decomposes=False),
     "pissa": Init("pissa", "pissa", changes_base=True, decomposes=True),
     "olora": Init("olora", "olora", changes_base=True, decomposes=True),
+    "eva": Init("eva", "eva", changes_base=False, decomposes=False, needs_data=True),
 }
 
 
@@ -72,11 +82,45 @@ def recipe_problem(recipe) -> str | None:
     if init.changes_base and adapter.modules_to_save:
         return (f"adapter.init: {adapter.init} with adapter.modules_to_save is not supported (the saved adapter is "
                 "converted for the published base, and a module trained in full would keep the residual)")
+    if init.needs_data and adapter.method == "dora":
+        return ("adapter.init: eva with DoRA is not supported (peft computes DoRA's magnitude before EVA replaces "
+                "A); use method lora, or init default/gaussian with dora")
     return None
 
 
 def peft_value(recipe) -> bool | str:
     return of(recipe).peft_value
+
+
+def peft_options(recipe) -> dict:
+    """What LoraConfig needs beside init_lora_weights for the recipe's init."""
+    if of(recipe).needs_data:
+        from peft import EvaConfig
+
+        return {"eva_config": EvaConfig(rho=EVA_RHO)}
+    return {}
+
+
+# -- EVA: from the training data ---------------------------------------------------------------------
+
+
+def initialize_eva(model, batches, saved: dict | None = None) -> dict:
+    """Run peft's EVA on `batches` (dicts of input_ids, position_ids and attention_mask: this rank's share; peft
+    gathers the ranks' layer inputs, so every rank computes the same components), or load the components a run
+    saved (`saved`). Returns the components, by layer, as saved in the run directory."""
+    from peft import get_eva_state_dict, initialize_lora_eva_weights
+
+    if saved is None:
+        saved = get_eva_state_dict(model, dataloader=batches, forward_fn=_forward_packed, show_progress_bar=False)
+        saved = {name: u.detach().to("cpu").contiguous() for name, u in saved.items()}
+    initialize_lora_eva_weights(model, eva_state_dict=dict(saved), show_progress_bar=False)
+    return saved
+
+
+def _forward_packed(model, inputs):
+    """The training forward: the attention mask only chooses which positions' inputs EVA reads; packed rows keep
+    their samples apart by position_ids, as in training."""
+    return model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
 
 
 # -- the saved adapter ---------------------------------------------------------------------------------
@@ -165,6 +209,10 @@ def startup_cost(recipe, shapes: list[tuple[int, int]]) -> dict:
     of an m x n matrix, about 4mn·min(m,n) + 8min(m,n)^3 at LAPACK's rates; a QR, 2mn·min) and the largest
     transient (a float32 copy of the weight and its factors), and the kept A0/B0 copy of a converted init."""
     init = of(recipe)
+    if init.needs_data and shapes:  # EVA: a micro-batch's inputs to the widest target layer, in float32, at a time
+        widest = max(n for _, n in shapes)
+        tokens = recipe.training.micro_batch_size * recipe.data.max_seq_len
+        return {"flops": 0, "transient_bytes": int(4 * tokens * widest), "kept_bytes": 0}
     if not init.decomposes or not shapes:
         return {"flops": 0, "transient_bytes": 0, "kept_bytes": 0}
     flops, transient = 0, 0

@@ -780,6 +780,28 @@ class StepBatches(torch.utils.data.Sampler):
             yield order[start:start + self.micro_batch] or [-1 - order[-1]]  # TrainRows: index -1 - i stands in
 
 
+class FirstEpochBatches:
+    """This process's micro-batches of the first epoch as training deals them, each with the mask of its real
+    positions (not padding, not a stand-in): what a data-driven adapter init (EVA) reads. Collated as they are
+    read, so only the batches a reader keeps are held."""
+
+    def __init__(self, rows, collate, micro_batch: int, world_size: int, rank: int, seed: int):
+        self.rows, self.collate = TrainRows(rows), collate
+        self.dealt = StepBatches(len(rows), micro_batch, world_size, rank, seed)
+
+    def __len__(self) -> int:
+        return len(self.dealt)
+
+    def __iter__(self):
+        self.dealt.set_epoch(0)
+        for indices in self.dealt:
+            examples = self.rows.__getitems__(indices)
+            batch = self.collate(examples)
+            lengths = torch.tensor([0 if e.get(STAND_IN) else len(e["input_ids"]) for e in examples])
+            mask = torch.arange(batch["input_ids"].shape[1])[None] < lengths[:, None]
+            yield {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
+
+
 class TrainRows(torch.utils.data.Dataset):
     """The training rows by index, for StepBatches: row i, or at index -1 - i row i as a stand-in."""
 

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import adapter_init
 from .adapter_init import startup_cost
 from .errors import RecipeError
 from .hardware.catalogue import Device, get_device
@@ -548,6 +549,10 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
                      f"({terms['init_flops'] / 1e12:.3g} TFLOP, about {took} on this machine's CPU), and "
                      f"the starting adapter is kept in host memory ({_gib(terms['initial_adapter'])}) to save the "
                      "trained one for the published base.")
+    if adapter_init.of(recipe).needs_data:
+        notes.append(f"adapter.init {recipe.adapter.init}: forward passes over the first training micro-batches at "
+                     "start-up, until each layer's components converge (peft may cycle the first epoch), before the "
+                     "first step.")
     if dev.kind == "cpu":
         notes.append("CPU figures are process peak RSS (what runs record); the runtime term is measured in a "
                      "fresh process (cached).")

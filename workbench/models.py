@@ -190,6 +190,7 @@ def attach_adapter(model, recipe: Recipe):
         modules_to_save=adapter.modules_to_save,
         init_lora_weights=adapter_init.peft_value(recipe),
         task_type="CAUSAL_LM",
+        **adapter_init.peft_options(recipe),
     )
     try:
         model = get_peft_model(model, config)

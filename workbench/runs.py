@@ -27,7 +27,7 @@ CHECKPOINT_PREFIX = "step-"
 # replacement). An --overwrite removes these and nothing else: notes, `workbench merge` and `export`
 # folders and any other file of the user's stay.
 RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns",
-               "STOP")
+               "STOP", "eva_init.safetensors")
 # The exact names of those writes in progress, so that a file of the user's that merely looks alike (.tmp-notes)
 # is never taken for one: a staged or replaced adapter or model (train.save_adapter, replace_folder), an
 # --overwrite's aside folder (.replaced-PID-XXXXXXXX, tempfile's 8 characters), a record or metrics file being

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import adapter_init
 from .errors import RecipeError
 
 if TYPE_CHECKING:
@@ -189,10 +190,12 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
     if training.optimizer != "adamw" and layout.strategy == "deepspeed":
         return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
                 "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
-    if layout.strategy == "deepspeed" and layout.shards_weights and recipe.adapter.init in ("pissa", "olora"):
-        # ZeRO-3 partitions the weights as they load: there is no whole weight left to decompose
-        return (f"adapter.init: {recipe.adapter.init} decomposes each whole weight at start-up, which ZeRO-3 has "
-                "already partitioned; use strategy fsdp, zero2, or init default/gaussian")
+    init = adapter_init.of(recipe)
+    if layout.strategy == "deepspeed" and layout.shards_weights and (init.decomposes or init.needs_data):
+        # ZeRO-3 partitions the weights as they load: no whole weight is left to decompose or to run forward with
+        needs = "decomposes each whole weight" if init.decomposes else "runs forward passes over the training data"
+        return (f"adapter.init: {recipe.adapter.init} {needs} at start-up, which ZeRO-3 has already partitioned; use "
+                "strategy fsdp, zero2, or init default/gaussian")
     q = recipe.quantization
     if q is not None and layout.shards_weights:
         if q.bits == 8:

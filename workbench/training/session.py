@@ -16,11 +16,12 @@ import time
 from contextlib import nullcontext
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from ..attention import dense_mask_warning, flex_problem_for_run
 from ..attention import with_implementation as attention_for
-from ..data import STAND_IN, Collator, StepBatches, TrainRows, prepare_data
+from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, prepare_data
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
                            release_accelerator_state, unwrap, verify_launch)
@@ -193,6 +194,7 @@ class TrainingSession:
                 raise WorkbenchError(f"{recipe.model.path}: the per-sample attention that preference pairs holding "
                                      "their prompt once need could not be switched on for this model; start the run "
                                      "with training.fast_paths: false")
+        self.eva_components = self.data_driven_init(model) if adapter_init.of(recipe).needs_data else None
         if cfg.compile:
             compile_layers(model)
         self.loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
@@ -203,6 +205,22 @@ class TrainingSession:
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
         self.resuming.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
                                         len(self.data.train), model)
+
+    def data_driven_init(self, model) -> dict:
+        """adapter.init eva: A from this run's training data (each rank reads its share of the first epoch), or,
+        resuming, the components the run saved, so that the adapter has the same ranks on any layout."""
+        saved = None
+        if self.resume:
+            path = self.run_dir.path / adapter_init.EVA_FILE
+            if not path.exists():
+                raise WorkbenchError(f"{path}: missing; the run's EVA initialisation cannot be repeated exactly "
+                                     "(--overwrite starts it again)")
+            saved = load_file(str(path))
+        accelerator, collate = self.accelerator, Collator(self.tokenizer.pad_token_id)
+        batches = FirstEpochBatches(self.data.train, collate, self.cfg.micro_batch_size, accelerator.num_processes,
+                                      accelerator.process_index, self.cfg.seed)
+        with torch.no_grad():
+            return adapter_init.initialize_eva(model, batches, saved)
 
     def take_over(self) -> None:
         """Called once data and model are ready: only now is the run directory written."""
@@ -215,6 +233,8 @@ class TrainingSession:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
             # saved as asked (`auto` stays auto: a resume on another world size chooses again)
             recipe.override(distributed__strategy=self.requested, model__attn=self.requested_attn).save(run.recipe)
+            if self.eva_components is not None and not self.resume:
+                save_file(self.eva_components, str(run.path / adapter_init.EVA_FILE))
             if self.resuming.changes:
                 self.summary.resume_changes = self.resuming.history()
             self.summary.owner = process_owner()
