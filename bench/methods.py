@@ -35,6 +35,7 @@ CONFIGS = {
     "init-pissa": ["adapter.init=pissa"],
     "init-olora": ["adapter.init=olora"],
     "init-eva": ["adapter.init=eva"],
+    "init-corda": ["adapter.init=corda"],
     "lora-plus-16": ["adapter.lora_plus_ratio=16"],
     "qlora-nf4": ["adapter.method=qlora", "quantization.bits=4"],
     # peft's k-bit preparation: embeddings, head and norms in float32 (the default keeps the model dtype)

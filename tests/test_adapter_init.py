@@ -131,7 +131,8 @@ def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_an
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, eva, got .loftq2."),
+    (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, eva, corda, got .loftq2."),
+    (["adapter.init=corda", "adapter.method=qlora"], "adapter.init: corda rewrites the base weights"),
     (["adapter.init=eva", "adapter.method=dora"], "adapter.init: eva with DoRA is not supported"),
     (["adapter.init=eva", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3"],
      "adapter.init: eva runs forward passes over the training data at start-up, which ZeRO-3 has already"),
@@ -170,6 +171,11 @@ def test_the_estimator_says_what_evas_start_up_reads():
     assert eva.terms["init_transient"] > 0 and eva.terms["initial_adapter"] == 0  # the base is untouched: no A0/B0
     assert any(note.startswith("adapter.init eva: forward passes over the first training micro-batches")
                for note in eva.notes)
+    corda = estimate(tiny("adapter.init=corda"))
+    assert corda.terms["init_flops"] > 0 and corda.terms["initial_adapter"] == corda.terms["adapter"]
+    assert corda.terms["init_transient"] > 0  # the covariances, held together
+    assert any(note.startswith("adapter.init corda: forward passes over the first 256 training rows")
+               for note in corda.notes)
 
 
 def test_dpo_after_an_init_that_rewrites_the_base_is_refused(tmp_path, capsys):
@@ -256,3 +262,56 @@ def test_an_eva_run_trains_and_resumes_from_the_components_it_saved(tmp_path):
     shutil.rmtree(run.adapter)
     run.update_json(summary={"status": "running"})
     assert main(["train", str(cut / "recipe.yaml"), "--resume", "--no-progress"]) == 1
+
+
+# -- CorDA: from the covariance of each target's inputs ---------------------------------------------------
+
+
+def test_corda_is_pefts_own_on_the_runs_first_rows():
+    """The residual base, A and B of peft's CorDA (instruction-previewed) from the same rows, one at a time."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.config import CordaConfig
+    from peft.tuners.lora.corda import preprocess_corda
+
+    from workbench.adapter_init import CORDA_ROWS
+    from workbench.data import first_rows, prepare_data
+    from workbench.models import load_tokenizer
+
+    recipe = tiny("adapter.init=corda", "data.limit=64")
+    data = prepare_data(recipe.data, load_tokenizer(recipe.model), seed=recipe.training.seed)
+    rows = first_rows(data.train, recipe.training.seed, CORDA_ROWS)
+    ours = dict(attach_adapter(load_base_model(recipe), recipe, rows).named_parameters())
+
+    base, a = load_base_model(recipe), recipe.adapter
+    names = sorted({k.split(".")[-4] for k in ours if ".lora_A." in k})
+    config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=names,
+                        init_lora_weights="corda", corda_config=CordaConfig(corda_method="ipm"), task_type="CAUSAL_LM")
+
+    def run_model():
+        for row in rows:
+            base(input_ids=torch.tensor([row["input_ids"]]), position_ids=torch.tensor([row["position_ids"]]),
+                 use_cache=False)
+
+    preprocess_corda(base, config, run_model=run_model)
+    theirs = dict(get_peft_model(base, config).named_parameters())
+    assert ours.keys() == theirs.keys()
+    diffs = {k: float((ours[k] - theirs[k]).detach().abs().max()) for k in ours}
+    assert max(diffs.values()) == 0.0, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]  # W_res included
+    plain = dict(load_base_model(recipe).named_parameters())
+    q_proj = next(k for k in ours if k.endswith("q_proj.base_layer.weight"))
+    assert not torch.equal(ours[q_proj], plain[q_proj.replace("base_model.model.", "").replace(".base_layer", "")])
+
+
+@pytest.mark.slow
+def test_a_corda_run_is_saved_for_the_published_base():
+    """Trained from CorDA's residual base, the adapter is saved converted: on the published base it scores the eval
+    loss the run measured at its end."""
+    import tempfile
+
+    from workbench.evaluation import evaluate
+
+    with tempfile.TemporaryDirectory() as out:
+        done = train(tiny("adapter.init=corda", "data.limit=64", "training.max_steps=4", "output.eval_every=null",
+                          "adapter.dropout=0", out=f"{out}/run"), progress_bar=False)
+        report = evaluate(done.run_dir)
+        assert report["tuned"]["eval_loss"] == pytest.approx(done.summary["eval_loss_final"], rel=1e-5)

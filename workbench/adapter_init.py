@@ -15,6 +15,10 @@ usable on the base model as published:
             over the first training micro-batches (each rank its own; peft gathers them) until the components
             converge; the result is kept in the run directory (`eva_init.safetensors`) so that a resume, on any
             layout, starts from the very same adapter.
+- corda     A and B from an SVD of W times the covariance of its inputs on the run's own data (Yang et al., 2024,
+            peft's instruction-previewed mode): the directions the task uses, with the residual kept in place of W
+            like PiSSA (saved converted the same way). The covariances (one in x in matrix per target, float32)
+            come from the first CORDA_ROWS training rows of the first epoch, the same on every rank, one at a time.
 
 PiSSA and OLoRA move part of W into the adapter. An adapter trained from them applies to the residual base, not
 to the published one, so it is saved converted (peft's `path_initial_model_for_weight_conversion`, done here on
@@ -35,9 +39,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-INITS = ("default", "gaussian", "pissa", "olora", "eva")
+INITS = ("default", "gaussian", "pissa", "olora", "eva", "corda")
 EVA_RHO = 2.0  # peft's default: a layer's rank may grow to rho x r as others shrink
 EVA_FILE = "eva_init.safetensors"  # in the run directory: the components EVA chose, for a resume
+CORDA_ROWS = 256  # calibration rows for CorDA's covariances (peft's guidance: ~256 samples of 2k tokens at width 4k)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Init:
     changes_base: bool  # the residual base replaces W: the saved adapter is converted
     decomposes: bool  # an SVD or QR of every target weight at start-up (time and a float32 copy of the weight)
     needs_data: bool = False  # computed from the training data's activations (forward passes at start-up)
+    before_adapter: bool = False  # reads the data before the adapter exists (CorDA) rather than after (EVA)
 
 
 TABLE = {
@@ -55,6 +61,7 @@ TABLE = {
     "pissa": Init("pissa", "pissa", changes_base=True, decomposes=True),
     "olora": Init("olora", "olora", changes_base=True, decomposes=True),
     "eva": Init("eva", "eva", changes_base=False, decomposes=False, needs_data=True),
+    "corda": Init("corda", "corda", changes_base=True, decomposes=True, needs_data=True, before_adapter=True),
 }
 
 
@@ -82,7 +89,7 @@ def recipe_problem(recipe) -> str | None:
     if init.changes_base and adapter.modules_to_save:
         return (f"adapter.init: {adapter.init} with adapter.modules_to_save is not supported (the saved adapter is "
                 "converted for the published base, and a module trained in full would keep the residual)")
-    if init.needs_data and adapter.method == "dora":
+    if init.needs_data and not init.before_adapter and adapter.method == "dora":
         return ("adapter.init: eva with DoRA is not supported (peft computes DoRA's magnitude before EVA replaces "
                 "A); use method lora, or init default/gaussian with dora")
     return None
@@ -94,11 +101,35 @@ def peft_value(recipe) -> bool | str:
 
 def peft_options(recipe) -> dict:
     """What LoraConfig needs beside init_lora_weights for the recipe's init."""
-    if of(recipe).needs_data:
+    name = of(recipe).name
+    if name == "eva":
         from peft import EvaConfig
 
         return {"eva_config": EvaConfig(rho=EVA_RHO)}
+    if name == "corda":
+        from peft.tuners.lora.config import CordaConfig
+
+        return {"corda_config": CordaConfig(corda_method="ipm")}
     return {}
+
+
+def preprocess_corda(model, config, rows) -> None:
+    """peft's CorDA preprocessing on the base model: the covariance of each target's inputs over `rows` (dicts of
+    input_ids and position_ids, one sample or packed row each: peft's hook reads one sequence at a time)."""
+    import torch
+    from peft.tuners.lora.corda import preprocess_corda as corda
+
+    def run_model():
+        for row in rows:
+            model(input_ids=torch.tensor([row["input_ids"]]), position_ids=torch.tensor([row["position_ids"]]),
+                  use_cache=False)
+
+    if config.target_modules == "all-linear":  # as get_peft_model expands it; CorDA's own matching takes names only
+        head = model.get_output_embeddings()
+        config.target_modules = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                 if isinstance(module, torch.nn.Linear) and module is not head}
+    with torch.no_grad():
+        corda(model, config, run_model=run_model)
 
 
 # -- EVA: from the training data ---------------------------------------------------------------------
@@ -209,6 +240,10 @@ def startup_cost(recipe, shapes: list[tuple[int, int]]) -> dict:
     of an m x n matrix, about 4mn·min(m,n) + 8min(m,n)^3 at LAPACK's rates; a QR, 2mn·min) and the largest
     transient (a float32 copy of the weight and its factors), and the kept A0/B0 copy of a converted init."""
     init = of(recipe)
+    if init.before_adapter and shapes:  # CorDA: every target's input covariance at once, and an SVD of each W·C
+        flops = sum(4 * m * n * min(m, n) + 8 * min(m, n) ** 3 + 2 * m * n * n for m, n in shapes)
+        kept = 4 * recipe.adapter.r * sum(m + n for m, n in shapes)
+        return {"flops": int(flops), "transient_bytes": int(sum(4 * n * n for _, n in shapes)), "kept_bytes": kept}
     if init.needs_data and shapes:  # EVA: a micro-batch's inputs to the widest target layer, in float32, at a time
         widest = max(n for _, n in shapes)
         tokens = recipe.training.micro_batch_size * recipe.data.max_seq_len

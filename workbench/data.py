@@ -802,6 +802,12 @@ class FirstEpochBatches:
             yield {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
 
 
+def first_rows(rows, seed: int, count: int) -> list[dict]:
+    """The first `count` training rows of the first epoch, the same on every process (CorDA's calibration)."""
+    order = EpochSampler(len(rows), seed)
+    return [rows[i] for i in list(order)[:count]]
+
+
 class TrainRows(torch.utils.data.Dataset):
     """The training rows by index, for StepBatches: row i, or at index -1 - i row i as a stand-in."""
 

@@ -549,7 +549,12 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
                      f"({terms['init_flops'] / 1e12:.3g} TFLOP, about {took} on this machine's CPU), and "
                      f"the starting adapter is kept in host memory ({_gib(terms['initial_adapter'])}) to save the "
                      "trained one for the published base.")
-    if adapter_init.of(recipe).needs_data:
+    init = adapter_init.of(recipe)
+    if init.needs_data and init.before_adapter:
+        notes.append(f"adapter.init {recipe.adapter.init}: forward passes over the first {adapter_init.CORDA_ROWS} "
+                     "training rows at start-up collect each target's input covariance (held together: "
+                     f"{_gib(terms['init_transient'])}).")
+    elif init.needs_data:
         notes.append(f"adapter.init {recipe.adapter.init}: forward passes over the first training micro-batches at "
                      "start-up, until each layer's components converge (peft may cycle the first epoch), before the "
                      "first step.")

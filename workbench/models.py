@@ -164,8 +164,9 @@ def bnb_config(recipe: Recipe):
     )
 
 
-def attach_adapter(model, recipe: Recipe):
-    """Wrap the base model for training: a PEFT adapter, or every weight trainable for `full`."""
+def attach_adapter(model, recipe: Recipe, calibration=None):
+    """Wrap the base model for training: a PEFT adapter, or every weight trainable for `full`. `calibration`: the
+    rows an init that reads the data before the adapter exists (CorDA) computes from."""
     adapter = recipe.adapter
     if recipe.training.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs and needs no input-grad hooks.
@@ -192,6 +193,8 @@ def attach_adapter(model, recipe: Recipe):
         task_type="CAUSAL_LM",
         **adapter_init.peft_options(recipe),
     )
+    if adapter_init.of(recipe).before_adapter:
+        adapter_init.preprocess_corda(model, config, calibration)
     try:
         model = get_peft_model(model, config)
     except ValueError as err:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from ..attention import dense_mask_warning, flex_problem_for_run
 from ..attention import with_implementation as attention_for
-from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, prepare_data
+from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows, prepare_data
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
                            release_accelerator_state, unwrap, verify_launch)
@@ -185,7 +185,9 @@ class TrainingSession:
         recipe, cfg, device_type = self.recipe, self.cfg, self.accelerator.device.type
         check_runtime(recipe, device_type, self.model_config)
         torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
-        model = attach_adapter(load_base_model(recipe), recipe)
+        init = adapter_init.of(recipe)
+        calibration = first_rows(self.data.train, cfg.seed, adapter_init.CORDA_ROWS) if init.before_adapter else None
+        model = attach_adapter(load_base_model(recipe), recipe, calibration)
         # PiSSA and OLoRA rewrote the base: their A0/B0, to save the adapter converted for the published base
         self.initial_adapter = adapter_init.InitialAdapter.of(model) if adapter_init.of(recipe).changes_base else None
         if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
@@ -194,7 +196,7 @@ class TrainingSession:
                 raise WorkbenchError(f"{recipe.model.path}: the per-sample attention that preference pairs holding "
                                      "their prompt once need could not be switched on for this model; start the run "
                                      "with training.fast_paths: false")
-        self.eva_components = self.data_driven_init(model) if adapter_init.of(recipe).needs_data else None
+        self.eva_components = self.data_driven_init(model) if init.needs_data and not init.before_adapter else None
         if cfg.compile:
             compile_layers(model)
         self.loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
