@@ -268,12 +268,13 @@ def test_an_eva_run_trains_and_resumes_from_the_components_it_saved(tmp_path):
 
 
 def test_corda_is_pefts_own_on_the_runs_first_rows():
-    """The residual base, A and B of peft's CorDA (instruction-previewed) from the same rows, one at a time."""
+    """The residual base, A and B of peft's CorDA (instruction-previewed) from the same samples, one at a time (a
+    packed row split where positions start again)."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.config import CordaConfig
     from peft.tuners.lora.corda import preprocess_corda
 
-    from workbench.adapter_init import CORDA_ROWS
+    from workbench.adapter_init import CORDA_ROWS, _samples_of
     from workbench.data import first_rows, prepare_data
     from workbench.models import load_tokenizer
 
@@ -287,10 +288,10 @@ def test_corda_is_pefts_own_on_the_runs_first_rows():
     config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=names,
                         init_lora_weights="corda", corda_config=CordaConfig(corda_method="ipm"), task_type="CAUSAL_LM")
 
-    def run_model():
+    def run_model():  # one sample at a time, as the workbench feeds packed rows to it
         for row in rows:
-            base(input_ids=torch.tensor([row["input_ids"]]), position_ids=torch.tensor([row["position_ids"]]),
-                 use_cache=False)
+            for ids, positions in _samples_of(row):
+                base(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), use_cache=False)
 
     preprocess_corda(base, config, run_model=run_model)
     theirs = dict(get_peft_model(base, config).named_parameters())
@@ -315,3 +316,35 @@ def test_a_corda_run_is_saved_for_the_published_base():
                           "adapter.dropout=0", out=f"{out}/run"), progress_bar=False)
         report = evaluate(done.run_dir)
         assert report["tuned"]["eval_loss"] == pytest.approx(done.summary["eval_loss_final"], rel=1e-5)
+
+
+def test_eva_that_cannot_converge_is_one_line_not_an_endless_start(tmp_path, capsys):
+    """Micro-batches shorter than EVA's components (2r) are skipped by peft, which cycles the data until every layer
+    converges: refused up front, and peft's loop bounded besides."""
+    from workbench.adapter_init import EVA_MIN_FORWARDS, EVA_PASSES, initialize_eva
+    from workbench.errors import WorkbenchError
+
+    short = ["adapter.init=eva", "adapter.r=48", "training.micro_batch_size=1", "data.packing=false", "data.limit=16"]
+    assert main(["train", "recipes/tiny.yaml", *short, f"output.dir={tmp_path}/run", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "adapter.init: eva computes 96 components per layer" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+    recipe = tiny(*short)
+    batches = eva_inputs(recipe)
+    model = attach_adapter(load_base_model(recipe), recipe)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(1))
+    budget = max(EVA_PASSES * len(batches), EVA_MIN_FORWARDS)
+    with pytest.raises(WorkbenchError, match=f"did not converge within {budget} forward passes"):
+        initialize_eva(model, batches)
+    assert len(seen) == budget
+
+
+def test_corda_reads_a_packed_row_one_sample_at_a_time():
+    from workbench.adapter_init import _samples_of
+
+    row = {"input_ids": [5, 6, 7, 8, 9, 10], "position_ids": [0, 1, 2, 0, 1, 2]}
+    assert list(_samples_of(row)) == [([5, 6, 7], [0, 1, 2]), ([8, 9, 10], [0, 1, 2])]
+    pair = {"input_ids": [1, 2, 3, 4], "position_ids": [0, 1, 2, 2]}  # a rejected answer continuing its prompt
+    assert list(_samples_of(pair)) == [([1, 2, 3, 4], [0, 1, 2, 2])]

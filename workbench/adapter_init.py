@@ -12,13 +12,14 @@ usable on the base model as published:
 - eva       A from the top right-singular vectors of each target layer's inputs on the run's own training data
             (Paischer et al., 2024), B = 0, with ranks redistributed between layers by explained variance (peft's
             rho 2: a layer gets up to 2r, the total stays r per layer). The base is untouched. It runs forward passes
-            over the first training micro-batches (each rank its own; peft gathers them) until the components
-            converge; the result is kept in the run directory (`eva_init.safetensors`) so that a resume, on any
-            layout, starts from the very same adapter.
+            over the first epoch's micro-batches as one process deals them, the same on every rank (no collective:
+            any device, any backend), until the components converge (a bounded number of passes); the result is
+            kept in the run directory (`eva_init.safetensors`) so that a resume starts from the very same adapter.
 - corda     A and B from an SVD of W times the covariance of its inputs on the run's own data (Yang et al., 2024,
             peft's instruction-previewed mode): the directions the task uses, with the residual kept in place of W
             like PiSSA (saved converted the same way). The covariances (one in x in matrix per target, float32)
-            come from the first CORDA_ROWS training rows of the first epoch, the same on every rank, one at a time.
+            come from the first CORDA_ROWS training rows of the first epoch, the same on every rank, one sample at a
+            time (a packed row is split into its samples: peft's hook reads one sequence per call).
 
 PiSSA and OLoRA move part of W into the adapter. An adapter trained from them applies to the residual base, not
 to the published one, so it is saved converted (peft's `path_initial_model_for_weight_conversion`, done here on
@@ -36,12 +37,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .errors import WorkbenchError
+
 if TYPE_CHECKING:
     import torch
 
 INITS = ("default", "gaussian", "pissa", "olora", "eva", "corda")
 EVA_RHO = 2.0  # peft's default: a layer's rank may grow to rho x r as others shrink
 EVA_FILE = "eva_init.safetensors"  # in the run directory: the components EVA chose, for a resume
+# peft cycles the data until every layer converges: at most this many passes over the first epoch, or forward passes
+# (a small data set converges by seeing its batches again)
+EVA_PASSES, EVA_MIN_FORWARDS = 3, 200
 CORDA_ROWS = 256  # calibration rows for CorDA's covariances (peft's guidance: ~256 samples of 2k tokens at width 4k)
 
 
@@ -119,10 +125,13 @@ def preprocess_corda(model, config, rows) -> None:
     import torch
     from peft.tuners.lora.corda import preprocess_corda as corda
 
+    device = next(model.parameters()).device
+
     def run_model():
         for row in rows:
-            model(input_ids=torch.tensor([row["input_ids"]]), position_ids=torch.tensor([row["position_ids"]]),
-                  use_cache=False)
+            for ids, positions in _samples_of(row):
+                model(input_ids=torch.tensor([ids], device=device),
+                      position_ids=torch.tensor([positions], device=device), use_cache=False)
 
     if config.target_modules == "all-linear":  # as get_peft_model expands it; CorDA's own matching takes names only
         head = model.get_output_embeddings()
@@ -136,16 +145,49 @@ def preprocess_corda(model, config, rows) -> None:
 
 
 def initialize_eva(model, batches, saved: dict | None = None) -> dict:
-    """Run peft's EVA on `batches` (dicts of input_ids, position_ids and attention_mask: this rank's share; peft
-    gathers the ranks' layer inputs, so every rank computes the same components), or load the components a run
-    saved (`saved`). Returns the components, by layer, as saved in the run directory."""
+    """Run peft's EVA on `batches` (dicts of input_ids, position_ids and attention_mask, the same on every rank, so
+    no rank waits for another), or load the components a run saved (`saved`). Returns the components, by layer,
+    as saved in the run directory."""
     from peft import get_eva_state_dict, initialize_lora_eva_weights
 
     if saved is None:
-        saved = get_eva_state_dict(model, dataloader=batches, forward_fn=_forward_packed, show_progress_bar=False)
+        budget = limit = max(EVA_PASSES * len(batches), EVA_MIN_FORWARDS)
+
+        def forward(model, inputs):
+            nonlocal budget
+            if budget == 0:
+                raise WorkbenchError(f"adapter.init: eva did not converge within {limit} forward passes over the "
+                                     "first epoch's micro-batches; raise "
+                                     "training.micro_batch_size or data.max_seq_len, lower adapter.r, or choose "
+                                     "another init")
+            budget -= 1
+            return _forward_packed(model, inputs)
+
+        saved = get_eva_state_dict(model, dataloader=batches, forward_fn=forward, gather_distributed_inputs=False,
+                                   show_progress_bar=False)
         saved = {name: u.detach().to("cpu").contiguous() for name, u in saved.items()}
     initialize_lora_eva_weights(model, eva_state_dict=dict(saved), show_progress_bar=False)
     return saved
+
+
+def eva_problem(recipe, longest_batch_tokens: int) -> str | None:
+    """peft's EVA skips a micro-batch with fewer real tokens than the components it computes (rho x r): one whose
+    micro-batches are all that short would never converge."""
+    needed = round(EVA_RHO * recipe.adapter.r)
+    if longest_batch_tokens >= needed:
+        return None
+    return (f"adapter.init: eva computes {needed} components per layer (2 x adapter.r) from each micro-batch's "
+            f"tokens, and this run's micro-batches hold at most {longest_batch_tokens}; raise "
+            "training.micro_batch_size, turn data.packing on, or lower adapter.r")
+
+
+def _samples_of(row: dict):
+    """(input_ids, position_ids) of each sample of a packed row: a new one wherever positions start again at 0 (a
+    preference pair holding its prompt once stays together: its answers continue the prompt's positions)."""
+    ids, positions = row["input_ids"], row["position_ids"]
+    starts = [i for i, p in enumerate(positions) if p == 0] or [0]
+    for start, end in zip(starts, [*starts[1:], len(ids)]):
+        yield ids[start:end], positions[start:end]
 
 
 def _forward_packed(model, inputs):

@@ -781,9 +781,9 @@ class StepBatches(torch.utils.data.Sampler):
 
 
 class FirstEpochBatches:
-    """This process's micro-batches of the first epoch as training deals them, each with the mask of its real
-    positions (not padding, not a stand-in): what a data-driven adapter init (EVA) reads. Collated as they are
-    read, so only the batches a reader keeps are held."""
+    """The first epoch's micro-batches as one process of `world_size` (rank `rank`) is dealt them, each with the mask
+    of its real positions (not padding, not a stand-in): what a data-driven adapter init (EVA) reads. Collated as
+    they are read (a reader that cycles them, as peft's EVA does, keeps those it has read)."""
 
     def __init__(self, rows, collate, micro_batch: int, world_size: int, rank: int, seed: int):
         self.rows, self.collate = TrainRows(rows), collate

@@ -139,7 +139,9 @@ def unwrap(accelerator, model, keep_fp32_wrapper: bool = True):
     Accelerate imports DeepSpeed wherever it is installed, to test for its engine: 1-5 s and ~130 MiB in every
     process (most of it trackers that DeepSpeed's autotuner imports). A model can be a DeepSpeed engine only once
     DeepSpeed is imported; until then the one container to peel is torch's DDP (FSDP2 shards in place)."""
-    if "deepspeed" in sys.modules:
+    from accelerate.utils import is_compiled_module
+
+    if "deepspeed" in sys.modules or is_compiled_module(model):  # torch.compile's wrapper: accelerate's own way
         return accelerator.unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper)
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module

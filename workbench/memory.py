@@ -489,7 +489,9 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
-    uses_deepspeed = layout.strategy == "deepspeed"  # its import is held by the runs that use it alone
+    # DeepSpeed's import is charged to its own layouts. (Accelerate's FSDP2 preparation imports it too, through a
+    # check for its engine: FSDP runs hold it as well, which this does not count yet.)
+    uses_deepspeed = layout.strategy == "deepspeed"
     if dev.kind == "cpu":  # elsewhere it is host memory, below
         other += t["initial_adapter"] + cpu_runtime_bytes(uses_deepspeed) - cpu_runtime_bytes()
     if layout.shards_weights:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .adapter_init import EVA_FILE
 from .errors import WorkbenchError
 from .metrics import finite_json, read_metrics
 from .run_summary import HEADLINE, RunSummary
@@ -27,7 +28,7 @@ CHECKPOINT_PREFIX = "step-"
 # replacement). An --overwrite removes these and nothing else: notes, `workbench merge` and `export`
 # folders and any other file of the user's stay.
 RUN_ENTRIES = ("checkpoints", "adapter", "model", "metrics.jsonl", "recipe.yaml", "tensorboard", "wandb", "mlruns",
-               "STOP", "eva_init.safetensors")
+               "STOP", EVA_FILE)
 # The exact names of those writes in progress, so that a file of the user's that merely looks alike (.tmp-notes)
 # is never taken for one: a staged or replaced adapter or model (train.save_adapter, replace_folder), an
 # --overwrite's aside folder (.replaced-PID-XXXXXXXX, tempfile's 8 characters), a record or metrics file being
@@ -206,11 +207,11 @@ class RunDir:
     def release(self) -> None:
         lock = getattr(self, "_lock", None)
         if lock is not None:
-            lock.release()
-            self._lock = None
             if getattr(self, "_created", False):  # refused before writing anything (bad data, say): no empty folder
                 with contextlib.suppress(OSError):
-                    self.path.rmdir()  # only ever removes an empty folder
+                    self.path.rmdir()  # only ever an empty folder, and while the lock keeps other runs out
+            lock.release()
+            self._lock = None
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step}"

@@ -25,8 +25,8 @@ from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
                            release_accelerator_state, unwrap, verify_launch)
-from ..errors import Interrupted, NonFiniteError, WorkbenchError
-from ..fastpath import apply_fast_paths, compile_layers
+from ..errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
+from ..fastpath import apply_fast_paths, compile_layers, lora_fast_paths
 from ..hardware.catalogue import peak_flops
 from ..hardware.current import local_kind, node_count, world_size_from_env
 from ..launcher import check_launcher_agrees
@@ -187,7 +187,10 @@ class TrainingSession:
         torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
         init = adapter_init.of(recipe)
         calibration = first_rows(self.data.train, cfg.seed, adapter_init.CORDA_ROWS) if init.before_adapter else None
-        model = attach_adapter(load_base_model(recipe), recipe, calibration)
+        base = load_base_model(recipe)
+        if init.needs_data and device_type == "cuda" and not self.layout.shards_weights and recipe.quantization is None:
+            base.to(self.accelerator.device)  # a data-driven init's forward passes run where training will
+        model = attach_adapter(base, recipe, calibration)
         # PiSSA and OLoRA rewrote the base: their A0/B0, to save the adapter converted for the published base
         self.initial_adapter = adapter_init.InitialAdapter.of(model) if adapter_init.of(recipe).changes_base else None
         if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
@@ -197,6 +200,8 @@ class TrainingSession:
                                      "their prompt once need could not be switched on for this model; start the run "
                                      "with training.fast_paths: false")
         self.eva_components = self.data_driven_init(model) if init.needs_data and not init.before_adapter else None
+        if self.eva_components is not None and cfg.fast_paths:
+            lora_fast_paths(model)  # the layers whose rank EVA changed were rebuilt with peft's own dropout
         if cfg.compile:
             compile_layers(model)
         self.loss_sum_of = lm_loss_sum if cfg.fast_paths else full_logits_loss_sum
@@ -209,8 +214,8 @@ class TrainingSession:
                                         len(self.data.train), model)
 
     def data_driven_init(self, model) -> dict:
-        """adapter.init eva: A from this run's training data (each rank reads its share of the first epoch), or,
-        resuming, the components the run saved, so that the adapter has the same ranks on any layout."""
+        """adapter.init eva: A from this run's training data (the first epoch as one process is dealt it, on every
+        rank alike), or, resuming, the components the run saved, so that the adapter is the one it started with."""
         saved = None
         if self.resume:
             path = self.run_dir.path / adapter_init.EVA_FILE
@@ -218,9 +223,13 @@ class TrainingSession:
                 raise WorkbenchError(f"{path}: missing; the run's EVA initialisation cannot be repeated exactly "
                                      "(--overwrite starts it again)")
             saved = load_file(str(path))
-        accelerator, collate = self.accelerator, Collator(self.tokenizer.pad_token_id)
-        batches = FirstEpochBatches(self.data.train, collate, self.cfg.micro_batch_size, accelerator.num_processes,
-                                      accelerator.process_index, self.cfg.seed)
+        else:
+            longest = max(map(len, self.data.train["input_ids"])) * min(self.cfg.micro_batch_size, len(self.data.train))
+            problem = adapter_init.eva_problem(self.recipe, longest)
+            if problem:
+                raise RecipeError(problem)
+        batches = FirstEpochBatches(self.data.train, Collator(self.tokenizer.pad_token_id), self.cfg.micro_batch_size,
+                                    1, 0, self.cfg.seed)
         with torch.no_grad():
             return adapter_init.initialize_eva(model, batches, saved)
 
