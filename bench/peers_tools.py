@@ -407,7 +407,7 @@ def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, s
     figures = eval_dpo(model, held_out, spec)
     counter = FlopCounter(model, model.config)
     computed = computed or (sum(lengths), sum(n * (n + 1) // 2 for n in lengths))
-    flops = counter.step_flops(*computed, reference_forward=reference_in_loop)
+    flops = counter.step_flops(*computed, extra_forwards=int(reference_in_loop))
     return {"tool": tool, "settings": settings, **clock, "loop_s": round(loop_s, 2), "tokens": tokens,
             "steps": steps, "pairs": pairs, "flops": flops, **figures,
             "train_loss": last_steps_mean(step_losses), "threads": torch.get_num_threads()}

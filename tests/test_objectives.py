@@ -336,6 +336,87 @@ def test_orpo_matches_trl(setup, trl_orpo, layout, request, monkeypatch):
     grads_close(lora_grads(model), trl_orpo.grads, f"{layout}: ORPO gradients")
 
 
+# -- KTO ----------------------------------------------------------------------------------------------------------
+
+KTO_BETA, DESIRABLE_WEIGHT, UNDESIRABLE_WEIGHT = 0.4, 1.3, 0.7  # none of TRL's defaults (0.1, 1.0, 1.0)
+# unpaired rows: each pair's chosen answer (desirable) or its rejected one, both kinds in the batch
+KTO_ROWS = [{"prompt": r["prompt"], "completion": r["chosen"] if i % 2 else r["rejected"], "label": bool(i % 2)}
+            for i, r in enumerate(ROWS)] + [{"prompt": ROWS[0]["prompt"], "completion": ROWS[0]["chosen"],
+                                             "label": True}]
+
+
+@pytest.fixture(scope="module")
+def trl_kto(setup):
+    """TRL's KTOTrainer around the same model, on one batch of every row: its KL completions (each row's prompt
+    with the previous row's completion, rotated within the batch), its loss, gradients and logged metrics."""
+    import datasets
+    from trl import KTOConfig, KTOTrainer
+
+    model = setup.model
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    args = KTOConfig(output_dir=str(setup.tmp.mktemp("kto")), beta=KTO_BETA, desirable_weight=DESIRABLE_WEIGHT,
+                     undesirable_weight=UNDESIRABLE_WEIGHT, report_to=[], use_cpu=True, bf16=False, fp16=False,
+                     gradient_checkpointing=False, per_device_train_batch_size=len(KTO_ROWS), seed=0,
+                     max_length=None)
+    trainer = KTOTrainer(model=model, args=args, processing_class=setup.tokenizer,
+                         train_dataset=datasets.Dataset.from_list(KTO_ROWS))
+    assert trainer.model is model
+    if "ref" in model.peft_config:  # as for DPO: the reference is the adapter switched off on both sides
+        model.delete_adapter("ref")
+    assert list(model.peft_config) == ["default"] and model.active_adapter == "default"
+    for name, param in model.named_parameters():
+        if name in lora:
+            assert torch.equal(param, lora[name]), f"KTOTrainer changed {name}"
+    inputs = next(iter(trainer.get_train_dataloader()))
+    assert inputs["input_ids"].shape[0] == len(KTO_ROWS) and "KL_input_ids" in inputs
+    rows = [trainer.train_dataset[i] for i in range(len(KTO_ROWS))]
+    assert [r["label"] for r in rows] == [r["label"] for r in KTO_ROWS], "TRL's batch is not the rows in order"
+    assert all(row["completion_ids"][-1] == setup.tokenizer.eos_token_id for row in rows), "TRL appends the EOS"
+
+    mode = "train" if model.training else "eval"
+    trainer._metrics[mode].clear()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    grads = lora_grads(model)
+    metrics = {key: values[-1] for key, values in trainer._metrics[mode].items()}
+    examples = [pair_example(r["prompt_ids"], r["completion_ids"], r["KL_completion_ids"]) for r in rows]
+    return SimpleNamespace(rows=rows, examples=examples, loss=loss.detach(), grads=grads, metrics=metrics)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kto_matches_trl(setup, trl_kto, layout, request, monkeypatch):
+    """The workbench's KL samples are TRL's (row i's prompt with row i - 1's completion, the first row taking the
+    last row's), and on one micro-batch its KL estimate, loss, rewards and gradients are TRL's."""
+    model = model_for(layout, setup, request, monkeypatch)
+    rows = trl_kto.rows
+    for i, row in enumerate(rows):  # the rotation the workbench's tokenization applies (data._mismatched_answers)
+        assert row["KL_completion_ids"] == rows[i - 1]["completion_ids"]
+    batch = workbench_batch(trl_kto.examples, layout, setup.tokenizer.pad_token_id)
+    batch["desirable"] = torch.tensor([r["label"] for r in rows])
+    assert batch["num_samples"] == 2 * len(rows)
+
+    objective = objectives.KTO(KTO_BETA, DESIRABLE_WEIGHT, UNDESIRABLE_WEIGHT, adapter_off_of(model))
+    model.zero_grad(set_to_none=True)
+    totals = objective.counts(model, batch)
+    assert int(totals[objectives.KL_SAMPLES]) == len(rows)
+    part = objective.loss(model, batch, totals)  # one micro-batch: its part is the batch's mean loss
+    part.loss.backward()
+    # the loss is a mean of sigmoids of beta times log-ratios of a few hundred nats (as DPO's rewards)
+    close(part.loss, trl_kto.loss, f"{layout}: KTO loss")
+    at_reference = sum((DESIRABLE_WEIGHT if r["label"] else UNDESIRABLE_WEIGHT) / 2 for r in rows) / len(rows)
+    assert abs(part.loss.item() - at_reference) > 1e-2, "policy == reference: the comparison would be vacuous"
+    report = objective.report(part.sums)
+    assert report["kl"] > 0, "a KL estimate of 0 (clamped) would not test its place in the loss"
+    for ours, theirs in (("loss", None), ("kl", "kl"), ("rewards_chosen", "rewards/chosen"),
+                         ("rewards_rejected", "rewards/rejected"), ("reward_margin", "rewards/margins"),
+                         ("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected")):
+        expected = trl_kto.loss if theirs is None else trl_kto.metrics[theirs]
+        close(report[ours], expected, f"{layout}: logged {ours} vs TRL's {theirs or 'loss'}",
+              atol=8 * EPS32 * abs(report["logps_rejected"]))
+    grads_close(lora_grads(model), trl_kto.grads, f"{layout}: KTO gradients")
+
+
 # -- the chunked log-probabilities --------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workbench import DataError, Recipe, RecipeError, WorkbenchError
-from workbench.data import IGNORE, Collator, pack, prepare_data, sample_starts, tokenize_row
+from workbench.data import IGNORE, Collator, prepare_data, sample_starts, tokenize_row
 from workbench.formats import FORMAT_NAMES, FORMATS, detect, format_of
 from workbench.objectives import counts, sample_index
 from workbench.recipe import DataSection
@@ -230,12 +230,14 @@ def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_to
 
 
 REFUSED = [
-    (["data.format=preference"], "training.objective: data.format preference holds chosen/rejected pairs"),
-    (["training.objective=dpo"], "data.format: training.objective dpo learns from chosen/rejected pairs"),
+    (["data.format=preference"], r"training.objective: sft does not learn from data.format preference rows "
+                                 r"\(preference trains objective dpo or orpo\)"),
+    (["training.objective=dpo"], "data.format: training.objective dpo learns from preference rows; set data.format: "
+                                 r"preference \(got chat\)"),
     (["data.format=preference", "training.objective=dpo", "adapter.method=full"],
      "training.objective: dpo compares against the base model with the adapter switched off"),
     (["data.format=preference", "training.objective=orpo", "data.train_on=all"],
-     "data.train_on: preference pairs are scored on their answers"),
+     "data.train_on: preference rows are scored on their answers"),
     (["data.format=preference", "training.objective=dpo", "training.dpo_beta=0"], "training.dpo_beta"),
 ]
 

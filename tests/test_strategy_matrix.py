@@ -33,8 +33,10 @@ METHODS = {"lora": [], "qlora": ["adapter.method=qlora", "quantization.quant_sto
 # preference objectives on LoRA: a pair is one row of two sequences, normalised over the step's pairs on every rank
 PREFERENCE_DATA = ["data.train=recipes/data/preference_train.jsonl", "data.format=preference"]
 OBJECTIVES = {"dpo": [*PREFERENCE_DATA, "training.objective=dpo"],
-              "orpo": [*PREFERENCE_DATA, "training.objective=orpo"]}
-OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1))  # (objective, grad_accum) on every layout
+              "orpo": [*PREFERENCE_DATA, "training.objective=orpo"],
+              # KTO: its KL estimate is summed over the step's micro-batches and ranks like the loss's counts
+              "kto": ["data.train=recipes/data/unpaired_train.jsonl", "data.format=unpaired", "training.objective=kto"]}
+OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1), ("kto", 2))  # (objective, grad_accum) on every layout
 LAYOUTS = {
     "ddp": ["distributed.strategy=ddp"],
     "zero1": ["distributed.strategy=deepspeed", "distributed.deepspeed.stage=1"],
@@ -159,6 +161,8 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
         assert s["objective"] == method
         assert column(cell, "reward_margin") == pytest.approx(column(reference, "reward_margin"), rel=1e-3, abs=1e-6)
         assert column(cell, "reward_accuracy") == column(reference, "reward_accuracy")
+        if method == "kto":
+            assert column(cell, "kl") == pytest.approx(column(reference, "kl"), rel=1e-3, abs=1e-6)
 
 
 def column(run_dir, name: str) -> list:

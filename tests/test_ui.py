@@ -474,15 +474,15 @@ def test_format_and_objective_choices_come_from_the_registry_and_the_schema():
     assert specs["data.format"].kind == "dropdown" and specs["data.format"].choices == list(FORMAT_NAMES)
     assert "preference" in FORMAT_NAMES
     objective = specs["training.objective"]
-    assert objective.kind == "dropdown" and objective.choices == ["sft", "dpo", "orpo"] and objective.default == "sft"
-    for key in ("training.dpo_beta", "training.orpo_lambda"):
+    assert objective.kind == "dropdown" and objective.choices == ["sft", "dpo", "orpo", "kto"] and objective.default == "sft"
+    for key in ("training.dpo_beta", "training.orpo_lambda", "training.kto_beta"):
         assert specs[key].kind == "float" and specs[key].default == 0.1 and not specs[key].optional
     # no list of formats of its own anywhere in ui/: the form reads the schema, which reads the registry
     import re
 
     for path in (ROOT / "ui").glob("*.py"):
         source = path.read_text()
-        for name in ("alpaca", "preference", "completion"):
+        for name in ("alpaca", "preference", "completion", "unpaired"):
             assert not re.search(rf"""["']{name}["']""", source), (path.name, name)
 
 
@@ -513,6 +513,23 @@ def test_the_form_builds_a_dpo_or_orpo_recipe_that_validates(h):
     values = set_field(set_field(values, "training.objective", "dpo"), "adapter.method", "full")
     _, status, bad = h.form_changed(*values)
     assert set(bad) == {"training"} and "training.objective: dpo compares against the base model" in status
+
+
+def test_the_form_builds_a_kto_recipe_that_validates(h):
+    values = set_field(widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml")), "training.objective", "kto")
+    _, status, bad = h.form_changed(*values)
+    assert set(bad) == {"data"} and "set data.format: unpaired" in status
+    values = set_field(values, "data.format", "unpaired")
+    values = set_field(values, "data.train", "recipes/data/unpaired_train.jsonl")
+    values = set_field(values, "data.eval", "recipes/data/unpaired_eval.jsonl")
+    values = set_field(set_field(values, "training.kto_beta", 0.2), "training.kto_undesirable_weight", 1.5)
+    text, status, bad = h.form_changed(*values)
+    assert not bad and "kto (beta 0.2, weights 1/1.5)" in status, status
+    recipe = form.recipe_from_yaml(text)
+    assert (recipe.training.objective, recipe.training.kto_beta, recipe.data.format) == ("kto", 0.2, "unpaired")
+    # unpaired rows cannot train the preference objectives: the rule names the objective
+    _, status, bad = h.form_changed(*set_field(values, "training.objective", "dpo"))
+    assert set(bad) == {"training"} and "does not learn from data.format unpaired rows" in status
 
 
 @pytest.mark.parametrize("value", [-1, "-1", "abc", 0, "", None, "nan", "inf", "1e400", [0.1]])

@@ -226,7 +226,7 @@ def build_app(root: str | Path = ".", allow_remote_code: bool = False) -> gr.Blo
                         with gr.Row():
                             loss_plot = FigurePlot(label="loss", format="png", show_label=False, elem_id="loss-plot")
                             tps_plot = FigurePlot(label="tokens/s", format="png", show_label=False, elem_id="tps-plot")
-                            # a preference run's reward margin and accuracy (training.objective dpo/orpo)
+                            # a preference run's reward margin and accuracy (training.objective dpo/orpo/kto)
                             pref_plot = FigurePlot(label="reward margin and accuracy", format="png", show_label=False,
                                                    elem_id="preference-plot", visible=False)
                         log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, interactive=False,

@@ -32,7 +32,8 @@ UNITS = {
     "training.max_grad_norm": "L2 norm", "training.threads": "CPU threads", "output.save_every": "steps",
     "output.keep_last": "checkpoints", "output.eval_every": "steps", "output.log_every": "steps",
     "output.sample_max_new_tokens": "tokens", "training.dpo_beta": "dpo only",
-    "training.orpo_lambda": "orpo only",
+    "training.orpo_lambda": "orpo only", "training.kto_beta": "kto only", "training.kto_desirable_weight": "kto only",
+    "training.kto_undesirable_weight": "kto only",
 }
 
 

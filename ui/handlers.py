@@ -292,7 +292,7 @@ class Handlers:
         a job.
 
         The preference figure (reward margin and accuracy over the steps) is drawn for a preference run
-        (training.objective dpo/orpo) and is None for any other, which the page hides. The figures are SKIP
+        (training.objective dpo/orpo/kto) and is None for any other, which the page hides. The figures are SKIP
         when the metrics have not changed since `seen`.
         """
         status = self.jobs.status(name) if name else None
@@ -513,7 +513,9 @@ def _preference_facts(rows: list[dict]) -> list[str]:
 def _objective_knob(recipe) -> str:
     """The strength setting of a preference objective, as the status line shows it."""
     training = recipe.training
-    return f"beta {training.dpo_beta:g}" if training.objective == "dpo" else f"lambda {training.orpo_lambda:g}"
+    return {"dpo": f"beta {training.dpo_beta:g}", "orpo": f"lambda {training.orpo_lambda:g}",
+            "kto": f"beta {training.kto_beta:g}, weights {training.kto_desirable_weight:g}/"
+                   f"{training.kto_undesirable_weight:g}"}[training.objective]
 
 
 def _estimate_lines(data: dict, capacity: float | None) -> list[str]:

@@ -68,7 +68,7 @@ class JobStatus:
     metrics: list[dict]
     run_dir: Path
     command: list[str]
-    objective: str = "sft"  # training.objective: sft, or dpo / orpo (a preference run)
+    objective: str = "sft"  # training.objective: sft, or dpo / orpo / kto (a preference run)
 
 
 STOP_GRACE_S = 30.0  # what a run gets to checkpoint after Stop before a third Stop may SIGKILL it
@@ -343,7 +343,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-OBJECTIVES = typing.get_args(TrainingSection.model_fields["objective"].annotation)  # sft, dpo, orpo
+OBJECTIVES = typing.get_args(TrainingSection.model_fields["objective"].annotation)  # sft, dpo, orpo, kto
 
 
 def objective_of(summary: dict, recipe: dict) -> str:

@@ -82,10 +82,11 @@ def recipe_problem(recipe) -> str | None:
     if adapter.method == "full" and (adapter.init != "default" or adapter.lora_plus_ratio is not None):
         field = "adapter.init" if adapter.init != "default" else "adapter.lora_plus_ratio"
         return f"{field}: applies to LoRA adapters; method full trains every weight (remove it or choose lora)"
-    if init.changes_base and recipe.training.objective == "dpo":
-        return (f"adapter.init: {adapter.init} with objective dpo is not supported: DPO's reference is the model with "
-                "the adapter switched off, which after this init is the residual base, not the published model; "
-                "use init default/gaussian, or objective orpo (no reference model)")
+    if init.changes_base and recipe.training.has_reference:
+        objective = recipe.training.objective
+        return (f"adapter.init: {adapter.init} with objective {objective} is not supported: {objective.upper()}'s "
+                "reference is the model with the adapter switched off, which after this init is the residual base, "
+                "not the published model; use init default/gaussian, or objective orpo (no reference model)")
     if init.changes_base and recipe.quantization is not None:
         return (f"adapter.init: {adapter.init} rewrites the base weights as a residual, which a quantized base "
                 "cannot hold; use init default or gaussian with QLoRA")

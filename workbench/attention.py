@@ -140,13 +140,13 @@ def packed_rows_of(implementation: str, device_kind: str, recipe) -> str:
 
 
 def shares_prompts(attention: Attention, recipe, model_config) -> bool:
-    """Whether each preference pair holds its prompt once, the rejected answer continuing it (workbench/data.py:
-    shared_prompt_layout), which spares the prompt's second pass through every layer in the policy's forward
+    """Whether each preference pair (or unpaired row: its answer and KTO's mismatched one) holds its prompt once,
+    the second answer continuing it (workbench/data.py: shared_prompt_layout), which spares the prompt's second pass through every layer in the policy's forward
     and backward and the reference's forward. Only the CPU's per-sample attention reads a shared prompt from
     position_ids; FlexAttention's document mask, flash's varlen and dense masks would cut the answer off it.
     Without dropout only: two whole sequences draw their dropout over the prompt independently, a shared prompt
     draws it once for both answers, which would change the pair's loss (TRL's DPO switches dropout off too)."""
-    return (attention.packed_rows == "per_sample" and format_of(recipe.data.format).preference
+    return (attention.packed_rows == "per_sample" and format_of(recipe.data.format).sequences_per_example > 1
             and recipe.adapter.dropout == 0 and not model_drops_out(model_config))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import adapter_init
-from .formats import format_of
+from .formats import FORMATS, format_of
 from .errors import RecipeError
 from .strategies import layout_of, layout_problem
 
@@ -37,25 +37,28 @@ def check_recipe(recipe: "Recipe") -> None:
     problem = adapter_init.recipe_problem(recipe)
     if problem:
         raise ValueError(problem)
-    preference_data = recipe.data.format == "preference"
+    data_format = format_of(recipe.data.format)
     for k, source in enumerate(recipe.data.sources):
-        # sources may mix instruction formats, never pairs with single answers: one objective trains every row
-        if format_of(source.format).preference != format_of(recipe.data.format).preference:
+        # sources may mix instruction formats, never rows of another kind: one objective trains every row
+        if format_of(source.format).objectives != data_format.objectives:
             raise ValueError(f"data.train[{k}].format: {source.format} rows cannot mix with data.format "
-                             f"{recipe.data.format} (preference pairs and single answers train with different "
-                             "objectives)")
-    if training.objective == "sft" and preference_data:
-        raise ValueError("training.objective: data.format preference holds chosen/rejected pairs; train them with "
-                         "objective dpo or orpo (or give instruction data for sft)")
-    if training.objective != "sft" and not preference_data:
-        raise ValueError(f"data.format: training.objective {training.objective} learns from chosen/rejected pairs; "
-                         f"set data.format: preference (got {recipe.data.format})")
-    if preference_data and recipe.data.train_on == "all":
-        raise ValueError("data.train_on: preference pairs are scored on their answers; use train_on: completions")
-    if training.objective == "dpo" and method == "full":
-        raise ValueError("training.objective: dpo compares against the base model with the adapter switched off, "
-                         "and full fine-tuning has no adapter to switch off; use adapter.method lora/qlora/dora, "
-                         "or objective orpo (no reference model)")
+                             f"{recipe.data.format} (they train with different objectives)")
+    if training.objective not in data_format.objectives:
+        readers = [f.name for f in FORMATS.values() if training.objective in f.objectives]
+        if data_format.objectives == ("sft",):  # the objective was chosen: the data is what to change next
+            raise ValueError(f"data.format: training.objective {training.objective} learns from "
+                             f"{' or '.join(readers)} rows; set data.format: {readers[0]} (got {recipe.data.format})")
+        raise ValueError(f"training.objective: {training.objective} does not learn from data.format "
+                         f"{recipe.data.format} rows ({recipe.data.format} trains objective "
+                         f"{' or '.join(data_format.objectives)}); give {' or '.join(readers)} rows or choose "
+                         "another objective")
+    if data_format.objectives != ("sft",) and recipe.data.train_on == "all":
+        raise ValueError(f"data.train_on: {recipe.data.format} rows are scored on their answers; use train_on: "
+                         "completions")
+    if training.has_reference and method == "full":
+        raise ValueError(f"training.objective: {training.objective} compares against the base model with the "
+                         "adapter switched off, and full fine-tuning has no adapter to switch off; use "
+                         "adapter.method lora/qlora/dora, or objective orpo (no reference model)")
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
     # `auto` precision is checked again once resolved for the device (workbench/precision.py)

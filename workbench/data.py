@@ -27,6 +27,7 @@ import torch
 
 from .builtin import cache_dir
 from .errors import DataError
+from . import formats
 from .formats import format_of
 from .recipe import DataSection
 
@@ -341,26 +342,53 @@ def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     return {"input_ids": input_ids, "labels": labels, "truncated": truncated, "targets": targets}
 
 
-def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_prompts: bool = False) -> dict:
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_prompts: bool = False,
+                 mismatched: str | None = None) -> dict:
     """A row as training sees it. A preference row is one example holding two samples, chosen then rejected,
-    whose positions restart at 0 (so each attends only to itself, as packed samples do). share_prompts: the
-    pair holds its prompt once instead (shared_prompt_layout), and `whole_length` keeps the two whole
-    sequences' length, which packing bins by."""
+    whose positions restart at 0 (so each attends only to itself, as packed samples do). An unpaired row holds
+    its answer, then `mismatched` (another row's answer) to the same prompt: KTO's KL sample, never learned.
+    share_prompts: the two samples hold their prompt once instead (shared_prompt_layout), and `whole_length`
+    keeps the two whole sequences' length, which packing bins by."""
     fmt = format_of(cfg.format)
+    if fmt.unpaired:
+        return _tokenize_unpaired(row, tokenizer, cfg, where, share_prompts, mismatched)
     if not fmt.preference:
         return tokenize_segments(_rendered(fmt.segments, row, tokenizer, cfg, where), tokenizer, cfg)
     chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
     # a pair that lost an answer, or whose answers truncation made the same, teaches nothing: left out, counted
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
-    example = {"truncated": chosen["truncated"] or rejected["truncated"],
-               "targets": chosen["targets"] + rejected["targets"] if both else 0}
+    return _two_samples(chosen, rejected, share_prompts, truncated=chosen["truncated"] or rejected["truncated"],
+                        targets=chosen["targets"] + rejected["targets"] if both else 0)
+
+
+def _tokenize_unpaired(row: dict, tokenizer, cfg: DataSection, where: str, share_prompts: bool,
+                       mismatched: str | None) -> dict:
+    """[the answer][another row's answer to the same prompt]: the second sample is what KTO's KL term reads
+    (objectives.KTO); its tokens are scored, not learned. `desirable` travels with the example through packing
+    and collation, one entry per example."""
+    fmt = format_of(cfg.format)
+    unpaired = fmt.unpaired_row(row, where, cfg.system_prompt)
+
+    def sample(answer_text: str) -> dict:
+        def render(*_):
+            return formats.answer_segments(unpaired.prompt, answer_text, tokenizer, where)
+        return tokenize_segments(_rendered(render, row, tokenizer, cfg, where), tokenizer, cfg)
+
+    answer = sample(unpaired.completion)
+    kl = sample(unpaired.completion if mismatched is None else mismatched)  # None: scoring a row on its own
+    return {**_two_samples(answer, kl, share_prompts, truncated=answer["truncated"], targets=answer["targets"]),
+            "desirable": [unpaired.desirable]}
+
+
+def _two_samples(first: dict, second: dict, share_prompts: bool, **example) -> dict:
+    """Two samples in one example, positions restarting at 0 for the second, or holding their prompt once."""
     if share_prompts:
-        example["whole_length"] = len(chosen["input_ids"]) + len(rejected["input_ids"])
-        shared = shared_prompt_length(chosen, rejected)
+        example["whole_length"] = len(first["input_ids"]) + len(second["input_ids"])
+        shared = shared_prompt_length(first, second)
         if shared > 1:  # one shared token is the one each answer repeats: nothing would be saved
-            return {**shared_prompt_layout(chosen, rejected, shared), **example}
-    return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
-            "position_ids": list(range(len(chosen["input_ids"]))) + list(range(len(rejected["input_ids"]))),
+            return {**shared_prompt_layout(first, second, shared), **example}
+    return {"input_ids": first["input_ids"] + second["input_ids"], "labels": first["labels"] + second["labels"],
+            "position_ids": list(range(len(first["input_ids"]))) + list(range(len(second["input_ids"]))),
             **example}
 
 
@@ -435,8 +463,10 @@ def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = N
     source = rows.dataset
     if limit is not None:
         source = source.select(range(min(limit, len(source))))
+    mismatched = _mismatched_answers(source, rows, cfg)
     tokenized = source.map(
-        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i), share_prompts),
+        lambda row, i: tokenize_row(row, tokenizer, cfg, rows.where(i), share_prompts,
+                                    mismatched(i) if mismatched else None),
         with_indices=True,
         remove_columns=source.column_names,
         new_fingerprint=key[:32],
@@ -491,6 +521,21 @@ class TokenizedData:
             return self.sources[0].rows.fingerprint
         parts = [f"{d.rows.fingerprint}|{d.source.format}|{d.source.weight!r}" for d in self.sources]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _mismatched_answers(source, rows: Rows, cfg: DataSection) -> Callable[[int], str] | None:
+    """For unpaired rows: row i's KL sample answers its prompt with row i - 1's answer (the last row's for the
+    first), TRL's rotation of completions by one. None for other formats."""
+    fmt = format_of(cfg.format)
+    if not fmt.unpaired:
+        return None
+    count = len(source)
+
+    def answer(i: int) -> str:
+        k = (i - 1) % count
+        return fmt.unpaired_row(source[k], rows.where(k)).completion
+
+    return answer
 
 
 def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> TokenizedData:
@@ -600,7 +645,7 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
              "train_sha256": tokenized.train_fingerprint,
              # how rows became text: a resumed run must render them as it started (resume.check_data)
              "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
-    if format_of(cfg.format).preference:
+    if format_of(cfg.format).sequences_per_example > 1:
         stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)
     if tokenized.mixed:
@@ -672,6 +717,9 @@ def pack(dataset, max_seq_len: int):
         packs["input_ids"].append([t for i in members for t in input_ids[i]])
         packs["labels"].append([t for i in members for t in labels[i]])
         packs["position_ids"].append([p for i in members for p in positions[i]])
+    if "desirable" in dataset.column_names:  # unpaired rows: each example's label, in the pack's order
+        desirable = dataset["desirable"]
+        packs["desirable"] = [[d for i in members for d in desirable[i]] for members in bins]
     return datasets.Dataset.from_dict(packs)
 
 
@@ -707,6 +755,8 @@ class Collator:
             starts = sample_starts(positions)
             batch["labels"][row, : n - 1] = torch.where(starts[1:], IGNORE, labels[1:])
             batch["num_samples"] += int(starts.sum())
+        if "desirable" in examples[0]:  # unpaired rows: one label per example of two samples, in batch order
+            batch["desirable"] = torch.tensor([d for e in examples for d in e["desirable"]], dtype=torch.bool)
         # counts for throughput and FLOPs, as Python ints: the loop reads them without waiting for the device
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions

@@ -64,11 +64,14 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
     cfg = parts[0][1]
 
     model, tokenizer = load_for_inference(run.path)
-    if format_of(cfg.format).preference:
+    fmt = format_of(cfg.format)
+    if fmt.preference or fmt.unpaired:
         training = run.recipe.get("training", {})
-        beta = training.get("dpo_beta", 0.1) if training.get("objective") == "dpo" else 0.1
-        result = evaluate_preferences(model, tokenizer, parts, run.path, beta, limit, batch_size)
-        result["beta_source"] = "training.dpo_beta" if training.get("objective") == "dpo" else "default"
+        beta_field = {"dpo": "dpo_beta", "kto": "kto_beta"}.get(training.get("objective"))
+        beta = training.get(beta_field, 0.1) if beta_field else 0.1
+        scores = evaluate_unpaired if fmt.unpaired else evaluate_preferences
+        result = scores(model, tokenizer, parts, run.path, beta, limit, batch_size)
+        result["beta_source"] = f"training.{beta_field}" if beta_field else "default"
         result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
         if save:
             RunDir(run.path).update_json(evaluation=result)
@@ -285,9 +288,63 @@ def evaluate_preferences(model, tokenizer, parts: list[tuple[Rows, DataSection]]
             "base": _preference_scores(*base), "examples": []}
 
 
+def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], run_path, beta: float,
+                      limit: int | None, batch_size: int) -> dict:
+    """Held-out desirable and undesirable answers, the tuned model beside its base: each model's mean summed
+    log-probability of either kind (logp_margin: desirable minus undesirable), and for the tuned model KTO's
+    implicit rewards against the base. As in training, each row also answers its prompt with the previous row's
+    answer, and those mismatched samples give the reference point z (`kl`); reward_accuracy is how often a row's
+    reward lies on its label's side of beta * z."""
+    rows = list(_each_row(parts, limit))
+    answers = [format_of(cfg.format).unpaired_row(row, where, cfg.system_prompt).completion
+               for row, where, cfg in rows]
+    examples, without_targets = [], 0
+    for i, (row, where, cfg) in enumerate(rows):
+        example = tokenize_row(row, tokenizer, cfg, where, mismatched=answers[i - 1])  # TRL's rotation by one
+        if example["targets"]:
+            examples.append(example)
+        else:  # the answer lost to data.max_seq_len
+            without_targets += 1
+    if not examples:
+        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no row to evaluate (every one lost its "
+                        "answer to data.max_seq_len)")
+    device = str(next(model.parameters()).device)
+    tuned = pair_logps(model, tokenizer, examples, batch_size)  # (answers, mismatched answers)
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            base = pair_logps(model, tokenizer, examples, batch_size)
+    else:
+        del model
+        base_model, _ = load_for_inference(run_path, base=True)
+        base = pair_logps(base_model, tokenizer, examples, batch_size)
+    desirable = torch.tensor([e["desirable"][0] for e in examples])
+    rewards = beta * (tuned[0] - base[0])
+    kl = float((tuned[1] - base[1]).mean().clamp(min=0))
+    tuned_scores = {**_unpaired_scores(tuned[0], desirable), "kl": round(kl, 4),
+                    "reward_accuracy": round(float(((rewards > beta * kl) == desirable).float().mean()), 4)}
+    if desirable.any() and (~desirable).any():
+        tuned_scores["reward_margin"] = round(float(rewards[desirable].mean() - rewards[~desirable].mean()), 4)
+    return {"format": parts[0][1].format, "rows": len(examples), "rows_without_targets": without_targets,
+            "limit": limit, "beta": beta, "device": device,
+            "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tuned": tuned_scores, "base": _unpaired_scores(base[0], desirable), "examples": []}
+
+
+def _unpaired_scores(logps: torch.Tensor, desirable: torch.Tensor) -> dict:
+    scores = {"desirable": int(desirable.sum()), "undesirable": int((~desirable).sum())}
+    if desirable.any():
+        scores["logps_desirable"] = round(float(logps[desirable].mean()), 4)
+    if (~desirable).any():
+        scores["logps_undesirable"] = round(float(logps[~desirable].mean()), 4)
+    if desirable.any() and (~desirable).any():
+        scores["logp_margin"] = round(scores["logps_desirable"] - scores["logps_undesirable"], 4)
+    return scores
+
+
 @torch.no_grad()
 def pair_logps(model, tokenizer, pairs: list[dict], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed answer log-probabilities of each pair, as training scores them."""
+    """(chosen, rejected) summed answer log-probabilities of each pair, as training scores them (for unpaired
+    rows: the answer and the mismatched answer)."""
     from .objectives import sample_logps
 
     collate = Collator(tokenizer.pad_token_id)
@@ -321,10 +378,13 @@ def format_evaluation(result: dict) -> str:
         lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
                  f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
         keys = ("eval_loss", "perplexity", "exact_match", "contains")
-    else:  # preference pairs
-        lines = [f"evaluated {result['rows']} pairs of {result['data']} ({result['format']}), on {result['device']}; "
-                 f"rewards against the base with beta {result['beta']} ({result.get('beta_source', 'default')})"]
-        keys = ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin")
+    else:  # preference pairs, or unpaired desirable/undesirable answers
+        unpaired = "preference_accuracy" not in result["tuned"]
+        lines = [f"evaluated {result['rows']} {'rows' if unpaired else 'pairs'} of {result['data']} "
+                 f"({result['format']}), on {result['device']}; rewards against the base with beta {result['beta']} "
+                 f"({result.get('beta_source', 'default')})"]
+        keys = (("logps_desirable", "logps_undesirable", "logp_margin", "kl", "reward_accuracy", "reward_margin")
+                if unpaired else ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin"))
     lines.append(f"  {'':<20}" + "".join(f"{name:>12}" for name in models))
     for key in keys:
         cells = "".join(f"{_cell(result[name].get(key)):>12}" for name in models)

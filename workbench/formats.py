@@ -6,7 +6,9 @@ evaluation reads from it (the question and its reference answer). Adding a forma
 `DataFormat` here; nothing elsewhere branches on format names.
 
 Instruction formats render one sequence: a list of `(text, is_answer)` segments. The `preference` format
-renders two sequences that share a prompt, the chosen and the rejected answer (`pair_segments`).
+renders two sequences that share a prompt, the chosen and the rejected answer (`pair`). The `unpaired` format
+(KTO's rows) holds one answer and a label saying whether it is desirable (`unpaired_row`); training pairs it
+with another row's answer to the same prompt, the mismatched sample KTO estimates its KL term from.
 """
 
 from __future__ import annotations
@@ -120,18 +122,23 @@ class DataFormat:
     example: dict
     check: Callable[[dict, str], None]  # raise DataError naming `where`
     needs_chat_template: bool = False
+    objectives: tuple[str, ...] = ("sft",)  # the training.objective values that learn from these rows
     preference: bool = False  # rows hold a prompt and two answers (chosen, rejected)
+    unpaired: bool = False  # rows hold a prompt, one answer and a label (desirable or not)
     # instruction formats: segments(row, tokenizer, system_prompt, where) and reference(row, system_prompt, where)
     # (evaluation's question and expected answer; preference pairs are scored by their log-probabilities instead)
     segments: Callable | None = None
     reference: Callable | None = None
     # the preference format: pair(row, tokenizer, system_prompt, where) -> (chosen segments, rejected segments)
     pair: Callable | None = None
+    # the unpaired format: unpaired_row(row, where, system_prompt) -> Unpaired
+    unpaired_row: Callable | None = None
 
     @property
     def sequences_per_example(self) -> int:
-        """Sequences one row becomes (a preference pair is two: the loop keeps them in one row)."""
-        return 2 if self.preference else 1
+        """Sequences one row becomes: a preference pair is two, an unpaired row its answer and the mismatched one
+        (KTO's KL sample); the loop keeps them in one row."""
+        return 2 if self.preference or self.unpaired else 1
 
 
 # chat ------------------------------------------------------------------------------------------
@@ -280,20 +287,60 @@ def _preference_check(row, where):
 
 def _preference_pair(row, tokenizer, system_prompt, where) -> tuple[Segments, Segments]:
     pair = preference_of(row, where, system_prompt)
-    rendered = []
-    for answer in (pair.chosen, pair.rejected):
-        messages = [*pair.prompt, {"role": "assistant", "content": answer}]
-        if tokenizer.chat_template:
-            segments = chat_segments(tokenizer, messages)
-            # only the final answer is compared: earlier assistant turns belong to the shared prompt
-            final = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
-            rendered.append([(text, is_answer and i == final) for i, (text, is_answer) in enumerate(segments)])
-        elif len(pair.prompt) == 1 and pair.prompt[0]["role"] == "user":  # a plain prompt and its continuation
-            rendered.append([(pair.prompt[0]["content"], False), (answer, True)])
-        else:
-            raise DataError(f"{where}: a conversation needs a tokenizer with a chat template "
-                            "(give a plain 'prompt' text, or use a chat model)")
-    return rendered[0], rendered[1]
+    return (answer_segments(pair.prompt, pair.chosen, tokenizer, where),
+            answer_segments(pair.prompt, pair.rejected, tokenizer, where))
+
+
+def answer_segments(prompt: list[dict], answer: str, tokenizer, where: str) -> Segments:
+    """The conversation so far and one answer to it, only that final answer learned (earlier assistant turns
+    belong to the prompt)."""
+    messages = [*prompt, {"role": "assistant", "content": answer}]
+    if tokenizer.chat_template:
+        segments = chat_segments(tokenizer, messages)
+        final = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
+        return [(text, is_answer and i == final) for i, (text, is_answer) in enumerate(segments)]
+    if len(prompt) == 1 and prompt[0]["role"] == "user":  # a plain prompt and its continuation
+        return [(prompt[0]["content"], False), (answer, True)]
+    raise DataError(f"{where}: a conversation needs a tokenizer with a chat template "
+                    "(give a plain 'prompt' text, or use a chat model)")
+
+
+# unpaired (KTO) ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Unpaired:
+    """An unpaired row made uniform: the conversation so far (ending with a user turn), one answer, and whether
+    that answer is desirable."""
+
+    prompt: list[dict]
+    completion: str
+    desirable: bool
+
+
+def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpaired:
+    """TRL's unpaired preference layout: `prompt` (text or messages) or `messages`, `completion` (text, or a list
+    holding the assistant's answer) and `label` (true: desirable, false: undesirable)."""
+    label = row.get("label")
+    if label is None:
+        raise DataError(f"{where}: missing field 'label' (true where the completion is desirable, false where not)")
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: field 'label' must be true or false, got {label!r}")
+    completion = row.get("completion")
+    if isinstance(completion, list):
+        turns = messages_field(completion, where, "completion")
+        if len(turns) != 1 or turns[0]["role"] != "assistant":
+            raise DataError(f"{where}: field 'completion' as messages must hold the assistant's answer alone")
+        completion = turns[0]["content"]
+    else:
+        completion = not_empty(text_field(row, "completion", where), f"{where}: field 'completion'")
+    prompt = _prompt_messages(row, where, required=True)
+    last = prompt[-1]
+    if last["role"] != "user":
+        article = "an" if last["role"] == "assistant" else "a"
+        raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
+                        "user's turn")
+    return Unpaired(with_system(prompt, system_prompt), completion, label)
 
 
 def last_user(messages: list[dict]) -> str | None:
@@ -325,7 +372,14 @@ FORMATS: dict[str, DataFormat] = {f.name: f for f in (
         "preference", ("chosen", "rejected"), ("prompt", "messages"),
         "a prompt (text or messages) and two answers, chosen and rejected (for training.objective dpo or orpo)",
         {"prompt": "What is 2 plus 3?", "chosen": "5.", "rejected": "6."},
-        check=_preference_check, preference=True, pair=_preference_pair),
+        check=_preference_check, objectives=("dpo", "orpo"), preference=True, pair=_preference_pair),
+    DataFormat(
+        "unpaired", ("completion", "label"), ("prompt", "messages"),
+        "a prompt (text or messages), one answer and a label: true where the answer is desirable "
+        "(for training.objective kto)",
+        {"prompt": "What is 2 plus 3?", "completion": "5.", "label": True},
+        check=lambda row, where: unpaired_of(row, where), objectives=("kto",), unpaired=True,
+        unpaired_row=unpaired_of),
 )}
 FORMAT_NAMES = tuple(FORMATS)
 
@@ -342,8 +396,9 @@ def detect(columns, preferred: str) -> str:
     present = set(columns)
     if set(format_of(preferred).fields) <= present:
         return preferred
-    # the most specific match first: a preference set also has a 'prompt' column
-    for fmt in sorted(FORMATS.values(), key=lambda f: -len(f.fields)):
+    # the most specific match first: a preference set also has a 'prompt' column, an unpaired one a 'prompt' and a
+    # 'completion' column
+    for fmt in sorted(FORMATS.values(), key=lambda f: (-len(f.fields), -len(f.optional))):
         if set(fmt.fields) <= present:
             return fmt.name
     described = "; ".join(f"{f.name}: {', '.join(f.fields)}" for f in FORMATS.values())

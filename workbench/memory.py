@@ -577,8 +577,7 @@ def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, p
     seq = recipe.data.max_seq_len
     attention = 12 * info.layers * info.heads * info.head_dim * (seq + 1) / 2  # causal: (T+1)/2 positions
     model_flops = 4 * weights + 2 * trainable + attention
-    if recipe.training.objective == "dpo":  # the reference's forward, without gradients
-        model_flops += 2 * weights + attention / 3
+    model_flops += recipe.training.extra_forwards * (2 * weights + attention / 3)  # without gradients
     hardware_flops = model_flops + (2 * weights if recipe.training.gradient_checkpointing else 0)
     peak = dev.peak(compute_dtype_of(recipe))
     per_device = peak * dev.mfu / hardware_flops

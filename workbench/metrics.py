@@ -102,11 +102,11 @@ class FlopCounter:
         width = heads * head_dim
         self.attention_per_position = 12 * layers * width
 
-    def step_flops(self, tokens: int, attended_positions: int, reference_forward: bool = False) -> float:
-        """reference_forward: one more forward without gradients (DPO's reference log-probabilities)."""
+    def step_flops(self, tokens: int, attended_positions: int, extra_forwards: int = 0) -> float:
+        """extra_forwards: forward passes without gradients beside the one with (the reference of DPO and KTO,
+        KTO's KL samples: TrainingSection.extra_forwards)."""
         flops = (4 * self.weights + 2 * self.trainable) * tokens + self.attention_per_position * attended_positions
-        if reference_forward:
-            flops += 2 * self.weights * tokens + self.attention_per_position / 3 * attended_positions
+        flops += extra_forwards * (2 * self.weights * tokens + self.attention_per_position / 3 * attended_positions)
         return float(flops)
 
 

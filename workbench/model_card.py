@@ -22,10 +22,13 @@ FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 OBJECTIVES = {"sft": "supervised fine-tuning: next-token loss on the answers",
               "dpo": "DPO: prefer the chosen answer over the rejected one, against the base model (adapter off) "
                      "as reference",
-              "orpo": "ORPO: next-token loss on the chosen answer plus an odds-ratio preference term, no reference"}
+              "orpo": "ORPO: next-token loss on the chosen answer plus an odds-ratio preference term, no reference",
+              "kto": "KTO: raise desirable answers and lower undesirable ones (unpaired rows), against the base "
+                     "model (adapter off)"}
 PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 EVALUATE_FIGURES = {"eval_loss": "loss", "perplexity": "perplexity", "exact_match": "exact_match",
-                    "contains": "contains", "preference_accuracy": "accuracy", "logp_margin": "logp_margin",
+                    "contains": "contains", "preference_accuracy": "accuracy", "logps_desirable": "logps_desirable",
+                    "logps_undesirable": "logps_undesirable", "logp_margin": "logp_margin", "kl": "kl",
                     "reward_accuracy": "reward_accuracy", "reward_margin": "reward_margin"}
 
 
@@ -206,6 +209,9 @@ def _objective_section(recipe: dict, summary: dict) -> str:
         text += f" beta = {training.get('dpo_beta')}."
     elif objective == "orpo":
         text += f" lambda = {training.get('orpo_lambda')}."
+    elif objective == "kto":
+        text += (f" beta = {training.get('kto_beta')}, desirable weight {training.get('kto_desirable_weight')}, "
+                 f"undesirable weight {training.get('kto_undesirable_weight')}.")
     return text
 
 

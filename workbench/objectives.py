@@ -1,19 +1,23 @@
-"""What the loss optimizes: the next-token loss (`sft`) or a preference between two answers (`dpo`, `orpo`).
+"""What the loss optimizes: the next-token loss (`sft`), a preference between two answers (`dpo`, `orpo`), or
+desirable and undesirable answers on their own (`kto`).
 
 Every objective gives the loop the same pieces, so the loop has one path for all of them:
 
-- `counts(batch)`: what the loss is normalised by (target tokens, pairs, chosen-answer tokens). The loop sums
-  them over the step's micro-batches and ranks before the first backward;
+- `counts(model, batch)`: what the loss is normalised by (target tokens, pairs, chosen-answer tokens) and, for
+  KTO, the sums its KL estimate is made of. The loop sums them over the step's micro-batches and ranks before the
+  first backward;
 - `loss(model, batch, totals)`: this micro-batch's part of the step's loss, normalised by those totals, so the
   parts over micro-batches and ranks add up to the step's loss whatever the accumulation and world size (the
   rule the SFT loss has always followed);
 - `sums`: what the logged figures are made of, a vector summed over a logging window and the ranks, which
-  `report` turns into metrics (`loss`, and for preferences the rewards, their margin and accuracy).
+  `report` turns into metrics (`loss`, and for preferences the rewards, their margin and accuracy);
 
 Preference rows hold a pair as two samples of one row (workbench/data.py): sample 2k is the chosen answer,
 2k + 1 the rejected one, whichever row and micro-batch the pair lands in (with a shared prompt, sample 2k holds
-the prompt and 2k + 1 continues it: the same log-probabilities). DPO's reference is the base model
-with the adapter switched off: no second copy of the weights.
+the prompt and 2k + 1 continues it: the same log-probabilities). Unpaired rows hold their answer as sample 2k
+and another row's answer to the same prompt as 2k + 1 (KTO's mismatched KL sample), with one `desirable` label
+per row. The reference of DPO and KTO is the base model with the adapter switched off: no second copy of the
+weights.
 
 Definitions (as the papers and TRL's trainers compute them; checked against TRL in tests/test_objectives.py):
 - DPO: logp = the answer's summed token log-probability; reward = beta * (logp - logp_reference);
@@ -21,6 +25,12 @@ Definitions (as the papers and TRL's trainers compute them; checked against TRL 
 - ORPO: logp = the answer's mean token log-probability; odds(p) = p / (1 - p);
   loss = NLL of the chosen answers' tokens + lambda * mean over pairs of -log sigmoid(log odds(chosen) -
   log odds(rejected)); reward = lambda * logp.
+- KTO: logp summed as DPO's; z = max(0, mean over the step's KL samples of logp - logp_reference), no gradient;
+  loss per row = desirable_weight * (1 - sigmoid(beta * (logratio - z))) for a desirable answer,
+  undesirable_weight * (1 - sigmoid(beta * (z - logratio))) for an undesirable one; mean over rows. TRL
+  estimates z per micro-batch (averaged over ranks); the workbench over the whole step, the same for one
+  micro-batch and less noisy with accumulation. A row is classified right when its reward lies on its label's
+  side of the reference point beta * z (reward_accuracy).
 """
 
 from __future__ import annotations
@@ -35,10 +45,11 @@ from torch.utils.checkpoint import checkpoint
 from .data import IGNORE, sample_starts
 from .lm_loss import CHUNK_ELEMENTS, causal_lm_of, head_bypassed, plain_head
 
-# the counts vector: what losses are normalised by
-TARGETS, PAIRS, CHOSEN_TARGETS = 0, 1, 2
+# the counts vector: what losses are normalised by, and KTO's KL estimate (summed log-ratios, samples)
+TARGETS, PAIRS, CHOSEN_TARGETS, KL_SUM, KL_SAMPLES = range(5)
+COUNTS = 5
 PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
-                      "logps_rejected")
+                      "logps_rejected", "kl")
 
 
 @dataclass
@@ -48,12 +59,13 @@ class Part:
 
 
 def counts(batch: dict) -> torch.Tensor:
-    """[target tokens, pairs, chosen-answer target tokens] of a micro-batch, on its device."""
+    """[target tokens, pairs, chosen-answer target tokens, 0, 0] of a micro-batch, on its device."""
     labels = batch["labels"]
     targets = (labels != IGNORE).sum()
     pairs = torch.tensor(batch.get("num_samples", 0) // 2, device=labels.device)
     chosen = ((labels != IGNORE) & (sample_index(batch["position_ids"]) % 2 == 0).view_as(labels)).sum()
-    return torch.stack([targets, pairs, chosen]).float()
+    zero = torch.zeros((), device=labels.device)
+    return torch.stack([targets.float(), pairs.float(), chosen.float(), zero, zero])
 
 
 def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
@@ -62,10 +74,25 @@ def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
     return sample_starts(position_ids).flatten().cumsum(0) - 1
 
 
+def only_samples(batch: dict, parity: int) -> dict:
+    """The batch with targets kept only in its even (parity 0) or odd (1) samples: the forward is the same, the
+    LM head runs over the kept targets alone."""
+    odd = (sample_index(batch["position_ids"]) % 2 == 1).view_as(batch["labels"])
+    return {**batch, "labels": batch["labels"].masked_fill(odd if parity == 0 else ~odd, IGNORE)}
+
+
 # -- the objectives ---------------------------------------------------------------------------------
 
 
-class SFT:
+class Objective:
+    name: str
+    sum_names: tuple[str, ...]
+
+    def counts(self, model, batch) -> torch.Tensor:
+        return counts(batch)
+
+
+class SFT(Objective):
     name = "sft"
     sum_names = ("loss_sum", "targets")
 
@@ -81,7 +108,7 @@ class SFT:
         return {"loss": float(sums[0] / sums[1]) if sums[1] > 0 else None}
 
 
-class DPO:
+class DPO(Objective):
     name = "dpo"
     sum_names = ("loss_sum", "pairs", "rewards_chosen", "rewards_rejected", "correct", "logps_chosen",
                  "logps_rejected")
@@ -106,7 +133,7 @@ class DPO:
         return preference_report(sums[0] / sums[1] if sums[1] > 0 else None, sums[1], sums[2:])
 
 
-class ORPO:
+class ORPO(Objective):
     name = "orpo"
     sum_names = ("nll_sum", "chosen_targets", "odds_ratio_sum", "pairs", "rewards_chosen", "rewards_rejected",
                  "correct", "logps_chosen", "logps_rejected")
@@ -133,13 +160,70 @@ class ORPO:
         return preference_report(loss, pairs, sums[4:])
 
 
+class KTO(Objective):
+    name = "kto"
+    sum_names = ("loss_sum", "rows", "rewards_desirable", "desirable", "rewards_undesirable", "undesirable",
+                 "logps_desirable", "logps_undesirable", "kl_rows", "correct")
+
+    def __init__(self, beta: float, desirable_weight: float, undesirable_weight: float, adapter_off):
+        self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
+        self.adapter_off = adapter_off
+
+    def counts(self, model, batch) -> torch.Tensor:
+        """The KL estimate's sums: the mismatched samples' log-ratios, policy (no gradient) against reference. The
+        reference pass scores the answers too, kept with the micro-batch for its loss."""
+        totals = counts(batch)
+        with torch.no_grad():
+            with self.adapter_off():
+                reference, _ = sample_logps(model, batch)
+            policy, _ = sample_logps(model, only_samples(batch, parity=1))
+        batch["reference_logps"] = reference[0::2]
+        log_ratios = policy[1::2] - reference[1::2]
+        totals[KL_SUM], totals[KL_SAMPLES] = log_ratios.sum(), log_ratios.numel()
+        return totals
+
+    def loss(self, model, batch, totals) -> Part:
+        kl = (totals[KL_SUM] / totals[KL_SAMPLES].clamp(min=1)).clamp(min=0)
+        reference = batch.get("reference_logps")
+        if reference is None:  # counts ran elsewhere (an evaluation reading its own counts does not)
+            with torch.no_grad(), self.adapter_off():
+                reference = sample_logps(model, only_samples(batch, parity=0))[0][0::2]
+        logps = sample_logps(model, only_samples(batch, parity=0))[0][0::2]
+        desirable = batch["desirable"].to(logps.device)
+        losses, rewards = kto_losses(logps - reference, kl, desirable, self.beta, self.desirable_weight,
+                                     self.undesirable_weight)
+        undesirable = ~desirable
+        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
+                            rewards[desirable].sum(), desirable.sum().float(),
+                            rewards[undesirable].sum(), undesirable.sum().float(),
+                            logps.detach()[desirable].sum(), logps.detach()[undesirable].sum(),
+                            kl.detach() * len(losses), ((rewards > self.beta * kl) == desirable).float().sum()])
+        return Part(losses.sum() / totals[PAIRS].clamp(min=1), sums)
+
+    def report(self, sums) -> dict:
+        loss, rows, reward_d, n_d, reward_u, n_u, logps_d, logps_u, kl_rows, correct = (float(x) for x in sums)
+        row = {"loss": loss / rows if rows > 0 else None}
+        if rows > 0:
+            row.update(kl=kl_rows / rows, reward_accuracy=correct / rows)
+        if n_d > 0:
+            row.update(rewards_chosen=reward_d / n_d, logps_chosen=logps_d / n_d)
+        if n_u > 0:
+            row.update(rewards_rejected=reward_u / n_u, logps_rejected=logps_u / n_u)
+        if n_d > 0 and n_u > 0:
+            row["reward_margin"] = row["rewards_chosen"] - row["rewards_rejected"]
+        return row
+
+
 def build(recipe, loss_sum_of, adapter_off=None):
-    """The recipe's objective. adapter_off: a context manager that switches the adapter off (DPO's reference)."""
-    objective = recipe.training.objective
-    if objective == "dpo":
-        return DPO(recipe.training.dpo_beta, adapter_off)
-    if objective == "orpo":
-        return ORPO(recipe.training.orpo_lambda)
+    """The recipe's objective. adapter_off: a context manager that switches the adapter off (the reference of
+    DPO and KTO)."""
+    training = recipe.training
+    if training.objective == "dpo":
+        return DPO(training.dpo_beta, adapter_off)
+    if training.objective == "orpo":
+        return ORPO(training.orpo_lambda)
+    if training.objective == "kto":
+        return KTO(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight, adapter_off)
     return SFT(loss_sum_of)
 
 
@@ -166,6 +250,15 @@ def dpo_losses(chosen, rejected, reference_chosen, reference_rejected, beta: flo
     chosen_ratio, rejected_ratio = chosen - reference_chosen, rejected - reference_rejected
     losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def kto_losses(log_ratios, kl, desirable, beta: float, desirable_weight: float, undesirable_weight: float):
+    """Per-row KTO losses and the implicit rewards beta * log-ratio (detached). kl: the step's KL estimate,
+    already clamped at 0 and without gradient."""
+    margin = beta * (log_ratios - kl)
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(margin)),
+                         undesirable_weight * (1 - torch.sigmoid(-margin)))
+    return losses, beta * log_ratios.detach()
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

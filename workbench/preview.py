@@ -24,7 +24,7 @@ HISTOGRAM_BINS = 30
 class Sample:
     """One sequence of a row: (text, trained) spans in order, as the tokenizer cut them."""
 
-    label: str  # "" for a plain row; "chosen" / "rejected" for a preference pair
+    label: str  # "" for a plain row; "chosen" / "rejected" for a preference pair; "desirable" / "undesirable"
     spans: list[tuple[str, bool]]
     tokens: int
     targets: int
@@ -161,8 +161,8 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     for source in data.sources:  # the first rows of each source, each rendered with its own format
         for i in range(min(rows, len(source.rows.dataset), cfg.limit if cfg.limit is not None else rows)):
             where = source.rows.where(i)
-            shown.append((where, _samples(source.rows.dataset[i], tokenizer, source.cfg, fmt.preference, where)))
-    lengths = _sequence_lengths(data.train, fmt.preference)
+            shown.append((where, _samples(source.rows.dataset[i], tokenizer, source.cfg, where)))
+    lengths = _sequence_lengths(data.train, fmt.sequences_per_example > 1)
     stats = _stats(data.train, lengths, cfg, fmt)
     if len(data.sources) > 1:
         stats["mix"] = data.mix
@@ -173,10 +173,10 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     return DataPreview(cfg.train_name, formats, cfg.max_seq_len, shown, lengths, stats)
 
 
-def _sequence_lengths(tokenized, preference: bool) -> list[int]:
-    """Tokens per sequence as trained: a preference pair counts as its two sequences (each is cut at
-    max_seq_len on its own)."""
-    if not preference:
+def _sequence_lengths(tokenized, two_samples: bool) -> list[int]:
+    """Tokens per sequence as trained: a preference pair, or an unpaired row with its KL sample, counts as its
+    two sequences (each is cut at max_seq_len on its own)."""
+    if not two_samples:
         return [len(ids) for ids in tokenized["input_ids"]]
     lengths = []
     for positions in tokenized["position_ids"]:
@@ -185,8 +185,14 @@ def _sequence_lengths(tokenized, preference: bool) -> list[int]:
     return lengths
 
 
-def _samples(row: dict, tokenizer, cfg, preference: bool, where: str) -> list[Sample]:
-    if not preference:
+def _samples(row: dict, tokenizer, cfg, where: str) -> list[Sample]:
+    fmt = format_of(cfg.format)
+    if fmt.unpaired:  # the answer as labelled; its KL sample (another row's answer) is not learned from
+        sample = tokenize_row(row, tokenizer, cfg, where)
+        answer = {key: sample[key][:sample["position_ids"].index(0, 1)] for key in ("input_ids", "labels")}
+        label = "desirable" if sample["desirable"][0] else "undesirable"
+        return [_sample(label, {**sample, **answer}, tokenizer, left_out=sample["targets"] == 0)]
+    if not fmt.preference:
         sample = tokenize_row(row, tokenizer, cfg, where)
         return [_sample("", sample, tokenizer, left_out=sample["targets"] == 0)]
     chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)

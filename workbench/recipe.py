@@ -183,12 +183,14 @@ class DataSection(Section):
 
     @property
     def row_len(self) -> int:
-        """The longest row a batch holds: max_seq_len per sequence, two sequences for a preference pair."""
+        """The longest row a batch holds: max_seq_len per sequence, two sequences for a preference pair or an
+        unpaired row (its answer and KTO's mismatched one)."""
         return self.max_seq_len * FORMATS[self.format].sequences_per_example
 
     @property
     def several_samples_per_row(self) -> bool:
-        """Whether rows hold several samples, each attending only to itself (packing, or a preference pair)."""
+        """Whether rows hold several samples, each attending only to itself (packing, a preference pair, an
+        unpaired row)."""
         return self.packing or FORMATS[self.format].sequences_per_example > 1
 
 
@@ -217,15 +219,22 @@ class TrainingSection(Section):
         True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
                           "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
                           "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
-    objective: Literal["sft", "dpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "kto"] = Field(
         "sft", description="what the loss optimizes (workbench/objectives.py): sft (next-token loss on the answers), "
                            "dpo (prefer the chosen answer over the rejected one, against the base model with the "
-                           "adapter off) or orpo (next-token loss on the chosen answer plus an odds-ratio "
-                           "preference term, no reference); dpo and orpo read data.format: preference.")
+                           "adapter off), orpo (next-token loss on the chosen answer plus an odds-ratio "
+                           "preference term, no reference) or kto (raise desirable answers and lower undesirable "
+                           "ones against the base model, from unpaired rows); dpo and orpo read data.format: "
+                           "preference, kto data.format: unpaired.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the tuned model is held to the "
                                                    "reference (larger: smaller steps away from it).")
     orpo_lambda: float = Field(0.1, gt=0, description="ORPO's lambda: the weight of the odds-ratio term beside "
                                                       "the chosen answer's next-token loss.")
+    kto_beta: float = Field(0.1, gt=0, description="KTO's beta: how strongly the tuned model is held to the "
+                                                   "reference (as dpo_beta).")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: the weight of the desirable rows' losses.")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: the weight of the undesirable rows' losses "
+                                                                 "(raise it when they are the fewer).")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     resume: Literal[False, "auto"] = Field(
         False, description="auto: a start with no checkpoint in the run directory trains from scratch, one with a "
@@ -236,6 +245,17 @@ class TrainingSection(Section):
 
     _precision_spelling = field_validator("mixed_precision", mode="before")(
         lambda value: spelled(value, MIXED_PRECISION_SPELLINGS))
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the objective scores answers against a reference: the base model, adapter off (dpo, kto)."""
+        return self.objective in ("dpo", "kto")
+
+    @property
+    def extra_forwards(self) -> int:
+        """Forward passes without gradients beside the one with, per micro-batch (workbench/objectives.py): the
+        reference over every sample (dpo, kto), the policy over KTO's KL samples. The FLOP counts read it."""
+        return {"dpo": 1, "kto": 2}.get(self.objective, 0)
 
 
 class FsdpSection(Section):

@@ -90,6 +90,19 @@ def preference():
         return [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
 
     write("preference_eval.jsonl", [{"chosen": turns(q, c), "rejected": turns(q, r)} for q, c, r in rows[176:]])
+    return rows
+
+
+def unpaired(pairs):
+    """KTO's unpaired rows from the same questions: each pair gives one answer, the right one (label true) or the
+    near miss (false), drawn at random. Held-out rows use the conversational layout (prompt and completion as
+    message lists)."""
+    rng = random.Random(2)
+    rows = [(q, *((c, True) if rng.random() < 0.5 else (r, False))) for q, c, r in pairs]
+    write("unpaired_train.jsonl", [{"prompt": q, "completion": a, "label": label} for q, a, label in rows[:176]])
+    write("unpaired_eval.jsonl", [{"prompt": [{"role": "user", "content": q}],
+                                   "completion": [{"role": "assistant", "content": a}], "label": label}
+                                  for q, a, label in rows[176:]])
 
 
 def write(name, rows):
@@ -101,4 +114,4 @@ def write(name, rows):
 if __name__ == "__main__":
     identity()
     tiny_chat()
-    preference()
+    unpaired(preference())

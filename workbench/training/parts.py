@@ -14,7 +14,6 @@ from ..distributed import full_state_dict, host_transfer, unwrap
 from ..errors import WorkbenchError
 from ..inference import Answer, answer
 from ..model_card import write_model_card_or_warn
-from .. import objectives
 from ..recipe import Recipe
 from ..runs import RunDir, replace_folder
 from ..trackers import log_to_trackers
@@ -53,7 +52,7 @@ def evaluate(model, loader, accelerator, objective) -> dict | None:
     sums = torch.zeros(len(objective.sum_names), device=accelerator.device)
     for batch in loader:
         # normalised by this batch's own counts; the report divides the summed parts by the totals
-        sums += objective.loss(model, batch, objectives.counts(batch)).sums
+        sums += objective.loss(model, batch, objective.counts(model, batch)).sums
     model.train(was_training)
     report = objective.report(accelerator.reduce(sums, reduction="sum").cpu())
     return {f"eval_{k}": (round(v, 6) if v is not None else None) for k, v in report.items()}

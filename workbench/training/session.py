@@ -264,7 +264,7 @@ class TrainingSession:
         self.scheduler = build_scheduler(self.optimizer, recipe, self.total_steps)
         accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
-        # the loss: next-token (sft) or a preference (dpo's reference is this model with the adapter off)
+        # the loss: next-token (sft) or a preference (the reference of dpo and kto is this model, adapter off)
         self.objective = objectives.build(recipe, self.loss_sum_of,
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)))
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
@@ -361,9 +361,11 @@ class TrainingSession:
         accelerator, state, objective = self.accelerator, self.state, self.objective
         step_loss = torch.zeros((), device=accelerator.device)
         step_sums = torch.zeros_like(self.window_sums)
-        # what the step's loss is normalised by (its target tokens, or pairs), over every rank
-        totals = accelerator.reduce(sum((objectives.counts(mb) for mb in micro_batches if not mb.get(STAND_IN)),
-                                        torch.zeros(3, device=accelerator.device)), reduction="sum")
+        # what the step's loss is normalised by (its target tokens, or pairs), over every rank. A stand-in counts
+        # nothing but runs any forward its objective's counts take: sharded layouts gather weights in lockstep
+        totals = accelerator.reduce(sum((objective.counts(self.model, mb) * (0 if mb.get(STAND_IN) else 1)
+                                         for mb in micro_batches),
+                                        torch.zeros(objectives.COUNTS, device=accelerator.device)), reduction="sum")
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # DDP averages gradients over ranks: scale by the world size to undo that mean. A stand-in (no sample
@@ -379,7 +381,7 @@ class TrainingSession:
             # counted by the collator on the host: no device read per micro-batch
             self.window_tokens += batch["num_tokens"]
             state.flops += self.flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
-                                                        reference_forward=objective.name == "dpo")
+                                                        extra_forwards=self.recipe.training.extra_forwards)
         return step_loss, step_sums
 
     def step(self, micro_batches: list) -> tuple:
