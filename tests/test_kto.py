@@ -87,6 +87,33 @@ def test_a_bad_row_is_named_with_its_line(row, message, tmp_path, tiny_tokenizer
         prepare_data(cfg(train=str(path)), tiny_tokenizer)
 
 
+def test_labels_in_a_csv_file_are_read_from_their_text(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,completion,label\nWhat is 2 plus 3?,2 plus 3 is 5.,true\nWhat is 2 plus 2?,2 plus 2 is 5.,"
+                    "FALSE\nWhat is 1 plus 1?,1 plus 1 is 2.,True\n")
+    data = prepare_data(cfg(train=str(path), packing=False), tiny_tokenizer)
+    assert [e["desirable"] for e in data.train] == [[True], [False], [True]]
+
+
+def test_a_source_of_one_row_is_refused(tmp_path, tiny_tokenizer, monkeypatch):
+    """Its KL sample would be its own answer: the reference point would be the row's own reward."""
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(ROW) + "\n")
+    with pytest.raises(DataError, match=f"{path}: 1 unpaired row; .*at least 2 rows"):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
+def test_a_bad_first_row_is_named_before_the_last_row_it_borrows_from(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "rows.jsonl"
+    bad = {"prompt": "q", "completion": "a", "label": "yes"}
+    path.write_text("\n".join(json.dumps(r) for r in (bad, ROW, bad)) + "\n")
+    with pytest.raises(DataError, match=f"{path}:1: field 'label'"):
+        prepare_data(cfg(train=str(path)), tiny_tokenizer)
+
+
 def test_a_row_without_its_label_stops_the_cli_before_anything_trains(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (ROW, ROW, {"prompt": "q", "completion": "a"})) + "\n")
@@ -154,7 +181,7 @@ REFUSED = [
     (["data.format=preference", "training.objective=kto"], "give unpaired rows"),
     (["data.format=unpaired", "training.objective=dpo"], "give preference rows"),
     (["data.format=unpaired", "training.objective=kto", "adapter.method=full"],
-     "training.objective: kto compares against the base model with the adapter switched off"),
+     "training.objective: kto compares against the base model with the adapter switched off.*lora/qlora/dora$"),
     (["data.format=unpaired", "training.objective=kto", "data.train_on=all"],
      "data.train_on: unpaired rows are scored on their answers"),
     (["data.format=unpaired", "training.objective=kto", "training.kto_beta=0"], "training.kto_beta"),

@@ -417,6 +417,125 @@ def test_kto_matches_trl(setup, trl_kto, layout, request, monkeypatch):
     grads_close(lora_grads(model), trl_kto.grads, f"{layout}: KTO gradients")
 
 
+# -- reward model -------------------------------------------------------------------------------------------------
+
+CENTER = 0.05  # reward_center_coefficient (TRL's center_rewards_coefficient, off by default): its term counts too
+
+
+@pytest.fixture(scope="module")
+def reward_setup(tmp_path_factory):
+    """builtin:tiny as a sequence classifier with one output (its score head seeded), the tiny-reward recipe's LoRA
+    adapter with seeded weights, and a real RewardTrainer around that very model object: its tokenization (text
+    pairs get the EOS appended), its collator's batch ([chosen rows; rejected rows], right-padded), its loss,
+    gradients and logged metrics."""
+    import datasets
+    from trl import RewardConfig, RewardTrainer
+
+    from workbench import Recipe
+    from workbench.models import attach_adapter, load_base_model, load_tokenizer
+
+    recipe = Recipe.load(ROOT / "recipes/tiny-reward.yaml").override(*FP32)
+    tokenizer = load_tokenizer(recipe.model)
+    torch.manual_seed(0)
+    model = attach_adapter(load_base_model(recipe), recipe)
+    generator = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:  # the LoRA weights and the score head beside them
+                param.copy_(torch.randn(param.shape, generator=generator) * LORA_SCALE)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".score." in n for n in trained) and any("lora_B" in n for n in trained)
+    args = RewardConfig(output_dir=str(tmp_path_factory.mktemp("reward")), report_to=[], use_cpu=True, bf16=False,
+                        fp16=False, gradient_checkpointing=False, per_device_train_batch_size=len(ROWS), seed=0,
+                        max_length=None, center_rewards_coefficient=CENTER)
+    trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer,
+                            train_dataset=datasets.Dataset.from_list(ROWS))
+    assert trainer.model is model
+    for name, param in model.named_parameters():
+        if name in trained:
+            assert torch.equal(param, trained[name]), f"RewardTrainer changed {name}"
+    inputs = next(iter(trainer.get_eval_dataloader(trainer.train_dataset)))
+    rows = [trainer.train_dataset[i] for i in range(len(ROWS))]
+    assert inputs["input_ids"].shape[0] == 2 * len(ROWS)
+    assert all(r["chosen_ids"][-1] == tokenizer.eos_token_id for r in rows), "TRL appends the EOS to text pairs"
+    mode = "train" if model.training else "eval"
+    trainer._metrics[mode].clear()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    metrics = {key: values[-1] for key, values in trainer._metrics[mode].items()}
+    return SimpleNamespace(recipe=recipe, tokenizer=tokenizer, model=model, rows=rows, loss=loss.detach(),
+                           grads=grads, metrics=metrics)
+
+
+def reward_example(chosen_ids, rejected_ids) -> dict:
+    """A pair as the workbench lays it out, from TRL's whole sequences (prompt and answer; the reward reads no
+    labels, the counts read one target per answer)."""
+    return {"input_ids": chosen_ids + rejected_ids,
+            "labels": [IGNORE] * (len(chosen_ids) - 1) + [chosen_ids[-1]] + [IGNORE] * (len(rejected_ids) - 1)
+            + [rejected_ids[-1]],
+            "position_ids": list(range(len(chosen_ids))) + list(range(len(rejected_ids)))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reward_matches_trl(reward_setup, layout, request, monkeypatch):
+    """The workbench's rewards are the score head's output at each answer's last non-pad token, the one a
+    sequence classifier pools in a row of its own: on the pairs of one micro-batch, laid out one pair per row or
+    packed in one row, with and without the loop's fast paths, the loss, the logged figures and every trained
+    weight's gradient (the LoRA factors and the score head) are TRL's."""
+    model = reward_setup.model
+    if "fast_paths" in layout:
+        from workbench.fastpath import apply_fast_paths
+        from workbench.models import attach_adapter, load_base_model
+        from workbench.packed_attention import FORCE_ENV
+
+        monkeypatch.setenv(FORCE_ENV, "masked" if layout.endswith("masked") else "per_sample")
+        twin = attach_adapter(load_base_model(reward_setup.recipe), reward_setup.recipe)
+        twin.load_state_dict(model.state_dict())
+        assert apply_fast_paths(twin)["packed_attention"]
+        model = twin
+    pad = reward_setup.tokenizer.pad_token_id
+    examples = [reward_example(r["chosen_ids"], r["rejected_ids"]) for r in reward_setup.rows]
+    batch = workbench_batch(examples, layout, pad)
+    objective = objectives.Reward(CENTER, pad)
+    model.zero_grad(set_to_none=True)
+    part = objective.loss(model, batch, counts(batch))
+    part.loss.backward()
+    close(part.loss, reward_setup.loss, f"{layout}: reward-model loss")
+    report = objective.report(part.sums)
+    assert abs(report["reward_margin"]) > 1e-2, "rewards alike: the comparison would be vacuous"
+    for ours, theirs in (("reward_accuracy", "accuracy"), ("reward_margin", "margin")):
+        close(report[ours], reward_setup.metrics[theirs], f"{layout}: logged {ours} vs TRL's {theirs}")
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    assert grads.keys() == reward_setup.grads.keys() and any(".score." in n for n in grads)
+    grads_close(grads, reward_setup.grads, f"{layout}: reward-model gradients")
+
+
+def test_the_reward_is_read_where_the_classifier_pools(reward_setup):
+    """Each sample's reward is the transformers classifier's own output for that sample alone: what a merged or
+    adapter-loaded model gives a user, whether the pad token is its own or the EOS (then the token before it)."""
+    model, pad = reward_setup.model, reward_setup.tokenizer.pad_token_id
+    rows = reward_setup.rows
+    examples = [reward_example(r["chosen_ids"], r["rejected_ids"]) for r in rows]
+    with torch.no_grad():
+        packed = objectives.sequence_rewards(model, workbench_batch(examples, "packed", pad), pad)
+        alone = torch.stack([model(input_ids=torch.tensor([ids])).logits[0, 0] for r in rows
+                             for ids in (r["chosen_ids"], r["rejected_ids"])])
+        close(packed, alone, "packed rewards vs the classifier on each sample")
+        eos = reward_setup.tokenizer.eos_token_id
+        model.config.pad_token_id = eos  # a tokenizer whose pad token is its EOS (SmolLM2's)
+        try:
+            packed = objectives.sequence_rewards(model, workbench_batch(examples, "packed", eos), eos)
+            alone = torch.stack([model(input_ids=torch.tensor([ids])).logits[0, 0] for r in rows
+                                 for ids in (r["chosen_ids"], r["rejected_ids"])])
+        finally:
+            model.config.pad_token_id = pad
+        close(packed, alone, "with the EOS as pad: the token before it, as the classifier reads")
+
+
 # -- the chunked log-probabilities --------------------------------------------------------------------------------
 
 

@@ -231,7 +231,7 @@ def test_a_pair_that_loses_an_answer_to_truncation_is_left_out(tmp_path, tiny_to
 
 REFUSED = [
     (["data.format=preference"], r"training.objective: sft does not learn from data.format preference rows "
-                                 r"\(preference trains objective dpo or orpo\)"),
+                                 r"\(preference trains objective dpo or orpo or reward\)"),
     (["training.objective=dpo"], "data.format: training.objective dpo learns from preference rows; set data.format: "
                                  r"preference \(got chat\)"),
     (["data.format=preference", "training.objective=dpo", "adapter.method=full"],

@@ -35,8 +35,10 @@ PREFERENCE_DATA = ["data.train=recipes/data/preference_train.jsonl", "data.forma
 OBJECTIVES = {"dpo": [*PREFERENCE_DATA, "training.objective=dpo"],
               "orpo": [*PREFERENCE_DATA, "training.objective=orpo"],
               # KTO: its KL estimate is summed over the step's micro-batches and ranks like the loss's counts
-              "kto": ["data.train=recipes/data/unpaired_train.jsonl", "data.format=unpaired", "training.objective=kto"]}
-OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1), ("kto", 2))  # (objective, grad_accum) on every layout
+              "kto": ["data.train=recipes/data/unpaired_train.jsonl", "data.format=unpaired", "training.objective=kto"],
+              # a reward model: a sequence classifier whose score head trains whole beside the adapter
+              "reward": [*PREFERENCE_DATA, "training.objective=reward"]}
+OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1), ("kto", 2), ("reward", 1))  # (objective, grad_accum) on every layout
 LAYOUTS = {
     "ddp": ["distributed.strategy=ddp"],
     "zero1": ["distributed.strategy=deepspeed", "distributed.deepspeed.stage=1"],

@@ -474,7 +474,8 @@ def test_format_and_objective_choices_come_from_the_registry_and_the_schema():
     assert specs["data.format"].kind == "dropdown" and specs["data.format"].choices == list(FORMAT_NAMES)
     assert "preference" in FORMAT_NAMES
     objective = specs["training.objective"]
-    assert objective.kind == "dropdown" and objective.choices == ["sft", "dpo", "orpo", "kto"] and objective.default == "sft"
+    assert objective.kind == "dropdown" and objective.default == "sft"
+    assert objective.choices == ["sft", "dpo", "orpo", "kto", "reward"]
     for key in ("training.dpo_beta", "training.orpo_lambda", "training.kto_beta"):
         assert specs[key].kind == "float" and specs[key].default == 0.1 and not specs[key].optional
     # no list of formats of its own anywhere in ui/: the form reads the schema, which reads the registry
@@ -530,6 +531,20 @@ def test_the_form_builds_a_kto_recipe_that_validates(h):
     # unpaired rows cannot train the preference objectives: the rule names the objective
     _, status, bad = h.form_changed(*set_field(values, "training.objective", "dpo"))
     assert set(bad) == {"training"} and "does not learn from data.format unpaired rows" in status
+
+
+def test_the_form_builds_a_reward_model_recipe_that_validates(h):
+    values = set_field(widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml")), "training.objective", "reward")
+    _, status, bad = h.form_changed(*values)
+    assert set(bad) == {"data"} and "set data.format: preference" in status
+    values = set_field(values, "data.format", "preference")
+    values = set_field(values, "data.train", "recipes/data/preference_train.jsonl")
+    values = set_field(values, "data.eval", "recipes/data/preference_eval.jsonl")
+    text, status, bad = h.form_changed(*set_field(values, "training.reward_center_coefficient", 0.01))
+    assert not bad and "reward (score head, centred 0.01)" in status, status
+    assert form.recipe_from_yaml(text).training.scores_sequences
+    _, status, bad = h.form_changed(*set_field(values, "adapter.method", "full"))
+    assert set(bad) == {"training"} and "training.objective: reward trains an adapter" in status
 
 
 @pytest.mark.parametrize("value", [-1, "-1", "abc", 0, "", None, "nan", "inf", "1e400", [0.1]])

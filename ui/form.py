@@ -33,7 +33,7 @@ UNITS = {
     "output.keep_last": "checkpoints", "output.eval_every": "steps", "output.log_every": "steps",
     "output.sample_max_new_tokens": "tokens", "training.dpo_beta": "dpo only",
     "training.orpo_lambda": "orpo only", "training.kto_beta": "kto only", "training.kto_desirable_weight": "kto only",
-    "training.kto_undesirable_weight": "kto only",
+    "training.kto_undesirable_weight": "kto only", "training.reward_center_coefficient": "reward only",
 }
 
 

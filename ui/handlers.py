@@ -515,7 +515,9 @@ def _objective_knob(recipe) -> str:
     training = recipe.training
     return {"dpo": f"beta {training.dpo_beta:g}", "orpo": f"lambda {training.orpo_lambda:g}",
             "kto": f"beta {training.kto_beta:g}, weights {training.kto_desirable_weight:g}/"
-                   f"{training.kto_undesirable_weight:g}"}[training.objective]
+                   f"{training.kto_undesirable_weight:g}",
+            "reward": "score head" + (f", centred {training.reward_center_coefficient:g}"
+                                      if training.reward_center_coefficient else "")}[training.objective]
 
 
 def _estimate_lines(data: dict, capacity: float | None) -> list[str]:

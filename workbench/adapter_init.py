@@ -86,7 +86,8 @@ def recipe_problem(recipe) -> str | None:
         objective = recipe.training.objective
         return (f"adapter.init: {adapter.init} with objective {objective} is not supported: {objective.upper()}'s "
                 "reference is the model with the adapter switched off, which after this init is the residual base, "
-                "not the published model; use init default/gaussian, or objective orpo (no reference model)")
+                "not the published model; use init default/gaussian"
+                + (", or objective orpo (no reference model)" if objective == "dpo" else ""))
     if init.changes_base and recipe.quantization is not None:
         return (f"adapter.init: {adapter.init} rewrites the base weights as a residual, which a quantized base "
                 "cannot hold; use init default or gaussian with QLoRA")

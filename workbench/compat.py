@@ -58,7 +58,11 @@ def check_recipe(recipe: "Recipe") -> None:
     if training.has_reference and method == "full":
         raise ValueError(f"training.objective: {training.objective} compares against the base model with the "
                          "adapter switched off, and full fine-tuning has no adapter to switch off; use "
-                         "adapter.method lora/qlora/dora, or objective orpo (no reference model)")
+                         "adapter.method lora/qlora/dora"
+                         + (", or objective orpo (no reference model)" if training.objective == "dpo" else ""))
+    if training.scores_sequences and method == "full":
+        raise ValueError("training.objective: reward trains an adapter and the score head beside it, saved as a "
+                         "sequence-classification adapter; use adapter.method lora/qlora/dora")
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
     # `auto` precision is checked again once resolved for the device (workbench/precision.py)

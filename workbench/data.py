@@ -530,9 +530,16 @@ def _mismatched_answers(source, rows: Rows, cfg: DataSection) -> Callable[[int],
     if not fmt.unpaired:
         return None
     count = len(source)
+    if count < 2:
+        for i in range(count):  # a bad row is the first thing to fix
+            fmt.unpaired_row(source[i], rows.where(i))
+        raise DataError(f"{rows.source}: {count} unpaired row; KTO's KL estimate answers each row's prompt with "
+                        "another row's answer, so a source needs at least 2 rows")
 
     def answer(i: int) -> str:
         k = (i - 1) % count
+        if i == 0:  # row 0 is read before the last row it borrows from: a bad first row is named first
+            fmt.unpaired_row(source[0], rows.where(0))
         return fmt.unpaired_row(source[k], rows.where(k)).completion
 
     return answer

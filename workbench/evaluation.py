@@ -63,10 +63,17 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
              for rows, part_cfg in parts]
     cfg = parts[0][1]
 
-    model, tokenizer = load_for_inference(run.path)
+    training = run.recipe.get("training", {})
+    scores = training.get("objective") == "reward"
+    model, tokenizer = load_for_inference(run.path, generates=not scores)
     fmt = format_of(cfg.format)
+    if scores:  # a reward model: how often it scores the chosen answer higher
+        result = evaluate_rewards(model, tokenizer, parts, limit, batch_size)
+        result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
+        if save:
+            RunDir(run.path).update_json(evaluation=result)
+        return result
     if fmt.preference or fmt.unpaired:
-        training = run.recipe.get("training", {})
         beta_field = {"dpo": "dpo_beta", "kto": "kto_beta"}.get(training.get("objective"))
         beta = training.get(beta_field, 0.1) if beta_field else 0.1
         scores = evaluate_unpaired if fmt.unpaired else evaluate_preferences
@@ -288,6 +295,42 @@ def evaluate_preferences(model, tokenizer, parts: list[tuple[Rows, DataSection]]
             "base": _preference_scores(*base), "examples": []}
 
 
+def evaluate_rewards(model, tokenizer, parts: list[tuple[Rows, DataSection]], limit: int | None,
+                     batch_size: int) -> dict:
+    """Held-out pairs scored by a reward model: how often the chosen answer scores higher (reward_accuracy), by how
+    much on average (reward_margin), and the mean scores. Its base has no trained score head: no base column."""
+    from .objectives import sequence_rewards
+
+    pairs, without_targets = [], 0
+    for row, where, cfg in _each_row(parts, limit):
+        if not format_of(cfg.format).preference:
+            raise DataError(f"{where}: a reward model is evaluated on preference pairs (prompt, chosen, rejected); "
+                            f"this row is {cfg.format}")
+        example = tokenize_row(row, tokenizer, cfg, where)
+        if example["targets"]:
+            pairs.append(example)
+        else:
+            without_targets += 1
+    if not pairs:
+        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no pair to evaluate (every one lost an "
+                        "answer to data.max_seq_len)")
+    collate = Collator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        rewards = torch.cat([sequence_rewards(model, _on(device, collate(pairs[start:start + batch_size])),
+                                              tokenizer.pad_token_id).cpu()
+                             for start in range(0, len(pairs), batch_size)])
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    tuned = {"reward_accuracy": round(float((chosen > rejected).float().mean()), 4),
+             "reward_margin": round(float((chosen - rejected).mean()), 4),
+             "rewards_chosen": round(float(chosen.mean()), 4), "rewards_rejected": round(float(rejected.mean()), 4),
+             "pairs": len(chosen)}
+    return {"format": parts[0][1].format, "rows": len(pairs), "rows_without_targets": without_targets,
+            "limit": limit, "device": str(device), "objective": "reward",
+            "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tuned": tuned, "base": None, "examples": []}
+
+
 def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], run_path, beta: float,
                       limit: int | None, batch_size: int) -> dict:
     """Held-out desirable and undesirable answers, the tuned model beside its base: each model's mean summed
@@ -295,7 +338,12 @@ def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], r
     implicit rewards against the base. As in training, each row also answers its prompt with the previous row's
     answer, and those mismatched samples give the reference point z (`kl`); reward_accuracy is how often a row's
     reward lies on its label's side of beta * z."""
+    from .objectives import right_side
+
     rows = list(_each_row(parts, limit))
+    if len(rows) < 2:
+        raise DataError(f"{' + '.join(r.source for r, _ in parts)}: {len(rows)} unpaired row; the KL estimate answers "
+                        "each row's prompt with another row's answer, so at least 2 rows are needed")
     answers = [format_of(cfg.format).unpaired_row(row, where, cfg.system_prompt).completion
                for row, where, cfg in rows]
     examples, without_targets = [], 0
@@ -321,7 +369,7 @@ def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], r
     rewards = beta * (tuned[0] - base[0])
     kl = float((tuned[1] - base[1]).mean().clamp(min=0))
     tuned_scores = {**_unpaired_scores(tuned[0], desirable), "kl": round(kl, 4),
-                    "reward_accuracy": round(float(((rewards > beta * kl) == desirable).float().mean()), 4)}
+                    "reward_accuracy": round(float(right_side(rewards, beta * kl, desirable).float().mean()), 4)}
     if desirable.any() and (~desirable).any():
         tuned_scores["reward_margin"] = round(float(rewards[desirable].mean() - rewards[~desirable].mean()), 4)
     return {"format": parts[0][1].format, "rows": len(examples), "rows_without_targets": without_targets,
@@ -378,6 +426,10 @@ def format_evaluation(result: dict) -> str:
         lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
                  f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
         keys = ("eval_loss", "perplexity", "exact_match", "contains")
+    elif result.get("objective") == "reward":
+        lines = [f"evaluated {result['rows']} pairs of {result['data']} ({result['format']}) with the reward model, "
+                 f"on {result['device']}"]
+        keys = ("reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected")
     else:  # preference pairs, or unpaired desirable/undesirable answers
         unpaired = "preference_accuracy" not in result["tuned"]
         lines = [f"evaluated {result['rows']} {'rows' if unpaired else 'pairs'} of {result['data']} "
@@ -385,6 +437,8 @@ def format_evaluation(result: dict) -> str:
                  f"({result.get('beta_source', 'default')})"]
         keys = (("logps_desirable", "logps_undesirable", "logp_margin", "kl", "reward_accuracy", "reward_margin")
                 if unpaired else ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin"))
+    if result.get("rows_without_targets"):
+        lines.append(f"  {result['rows_without_targets']} more left out: data.max_seq_len took their answer")
     lines.append(f"  {'':<20}" + "".join(f"{name:>12}" for name in models))
     for key in keys:
         cells = "".join(f"{_cell(result[name].get(key)):>12}" for name in models)

@@ -324,6 +324,8 @@ def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpa
     label = row.get("label")
     if label is None:
         raise DataError(f"{where}: missing field 'label' (true where the completion is desirable, false where not)")
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # a CSV cell is text
+        label = label.strip().lower() == "true"
     if not isinstance(label, bool):
         raise DataError(f"{where}: field 'label' must be true or false, got {label!r}")
     completion = row.get("completion")
@@ -372,7 +374,7 @@ FORMATS: dict[str, DataFormat] = {f.name: f for f in (
         "preference", ("chosen", "rejected"), ("prompt", "messages"),
         "a prompt (text or messages) and two answers, chosen and rejected (for training.objective dpo or orpo)",
         {"prompt": "What is 2 plus 3?", "chosen": "5.", "rejected": "6."},
-        check=_preference_check, objectives=("dpo", "orpo"), preference=True, pair=_preference_pair),
+        check=_preference_check, objectives=("dpo", "orpo", "reward"), preference=True, pair=_preference_pair),
     DataFormat(
         "unpaired", ("completion", "label"), ("prompt", "messages"),
         "a prompt (text or messages), one answer and a label: true where the answer is desirable "

@@ -74,6 +74,10 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
         run = load_run(source)
         out = Path(out) if out else run.path / "gguf" / f"{run.name}-{quant}.gguf"
         check_out(out, run.path)
+        if run.checked_recipe().training.scores_sequences:
+            raise WorkbenchError(f"{run.path}: a reward model (training.objective: reward) has a score head, not the "
+                                 "LM head a GGUF runtime generates with; `workbench merge` writes it as a "
+                                 "transformers sequence classifier")
         check_architecture(run.path, _run_model_config(run))
         check_writable(out)
         with new_folders_removed_on_failure(out.parent), writing(out), merged_run(run, out.parent) as folder:

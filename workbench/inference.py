@@ -30,18 +30,20 @@ def inference_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_for_inference(source: str | Path, base: bool = False, device: str | torch.device | None = None,
-                       recipe: Recipe | None = None):
+                       recipe: Recipe | None = None, generates: bool = True):
     """(model, tokenizer) in eval mode from a run directory (its tuned model, or its base with base=True)
     or from a model path (folder, builtin:NAME, hub id).
 
     The run's base model is the one its recipe names, read through the schema (`Run.checked_recipe`); `recipe`
     stands in for it when the caller has already read and checked that recipe (the UI: paths made absolute).
 
-    A QLoRA run's adapter is applied to the base loaded unquantized, as `merge` does.
+    A QLoRA run's adapter is applied to the base loaded unquantized, as `merge` does. A reward model's run
+    (training.objective: reward) loads as the sequence classifier it trained, for callers that score
+    (generates=False); one that would generate is refused.
     """
     from transformers import AutoModelForCausalLM
 
-    from .models import resolve_model_path
+    from .models import model_class, resolve_model_path, reward_config
     from .quiet import quiet_libraries
     from .runs import load_run
 
@@ -59,9 +61,16 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     if not base and full_model.exists():  # full fine-tuning saved the whole model
         model = AutoModelForCausalLM.from_pretrained(full_model, dtype=dtype)
         return model.to(device).eval(), tokenizer_of(full_model)
-    model_cfg = (recipe if recipe is not None else run.checked_recipe()).model
+    recipe = recipe if recipe is not None else run.checked_recipe()
+    model_cfg = recipe.model
     base_path = resolve_model_path(model_cfg.path)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **hub_options(model_cfg)).to(device)
+    options = hub_options(model_cfg)
+    if recipe.training.scores_sequences:
+        if generates:
+            raise WorkbenchError(f"{source}: a reward model (training.objective: reward) scores answers and writes "
+                                 f"none; `workbench evaluate {source}` scores held-out pairs with it")
+        options["config"] = reward_config(recipe, options.get("config"))
+    model = model_class(recipe).from_pretrained(base_path, dtype=dtype, **options).to(device)
     # The adapter folder holds the tokenizer training used (pad token included): prefer it.
     tokenizer = tokenizer_of(run.adapter_dir if (run.adapter_dir / "tokenizer_config.json").exists() else base_path)
     if not base:

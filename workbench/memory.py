@@ -18,6 +18,7 @@ from pathlib import Path
 from . import adapter_init
 from .adapter_init import startup_cost
 from .errors import RecipeError
+from .formats import format_of
 from .hardware.catalogue import Device, get_device
 from .hardware.current import node_count
 from .hardware.probes import cpu_runtime_bytes
@@ -599,7 +600,9 @@ def data_tokens(recipe: Recipe) -> int | None:
     counts = [_file_tokens(Path(source.path), recipe.data.limit) for source in recipe.data.sources]
     if any(count is None for count in counts):
         return None
-    return max(1, round(sum(count * source.weight for count, source in zip(counts, recipe.data.sources))))
+    # an unpaired row trains as two sequences of about its length: its answer, and another's (KTO's KL sample)
+    twice = 2 if format_of(recipe.data.format).unpaired else 1
+    return max(1, round(twice * sum(count * source.weight for count, source in zip(counts, recipe.data.sources))))
 
 
 def _file_tokens(path: Path, limit: int | None) -> int | None:

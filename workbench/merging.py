@@ -30,7 +30,7 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     """
     from transformers import AutoModelForCausalLM
 
-    from .models import DTYPES, resolve_model_path
+    from .models import DTYPES, model_class, resolve_model_path, reward_config
     from .quiet import quiet_libraries
     from .runs import load_run
 
@@ -50,19 +50,23 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
         tokenizer = tokenizer_of(full_model)
     else:
         check_adapter(run.path, run.adapter_dir)
-        model_cfg = run.checked_recipe().model
-        base_path = resolve_model_path(model_cfg.path)
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[dtype], **hub_options(model_cfg))
+        recipe = run.checked_recipe()
+        base_path = resolve_model_path(recipe.model.path)
+        options = hub_options(recipe.model)
+        if recipe.training.scores_sequences:  # a reward model: the sequence classifier, its score head from the adapter
+            options["config"] = reward_config(recipe, options.get("config"))
+        base = model_class(recipe).from_pretrained(base_path, dtype=DTYPES[dtype], **options)
         model = load_adapter(base, run.adapter_dir).merge_and_unload()
         tokenizer = tokenizer_of(run.adapter_dir)
     model.config.use_cache = True  # training may have switched it off for gradient checkpointing
-    generation = model.generation_config
-    if generation.pad_token_id is None:
-        generation.pad_token_id = tokenizer.pad_token_id
-    # a run's chat template may end turns with a token of its own (data.chat_template): generation stops there too
-    stops = stop_token_ids(model, tokenizer)
-    if stops:
-        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
+    generation = getattr(model, "generation_config", None)  # None: a reward model writes no text
+    if generation is not None:
+        if generation.pad_token_id is None:
+            generation.pad_token_id = tokenizer.pad_token_id
+        # a run's chat template may end turns with a token of its own (data.chat_template): generation stops there
+        stops = stop_token_ids(model, tokenizer)
+        if stops:
+            generation.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     # Written beside the target under a name of this merge's own and renamed into place, so a crash never
     # leaves a half model and no folder of the user's is taken for the staging one.

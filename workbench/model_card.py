@@ -24,7 +24,9 @@ OBJECTIVES = {"sft": "supervised fine-tuning: next-token loss on the answers",
                      "as reference",
               "orpo": "ORPO: next-token loss on the chosen answer plus an odds-ratio preference term, no reference",
               "kto": "KTO: raise desirable answers and lower undesirable ones (unpaired rows), against the base "
-                     "model (adapter off)"}
+                     "model (adapter off)",
+              "reward": "a reward model: a scalar score head, read at the answer's last token, trained so that the "
+                        "chosen answer scores above the rejected one (Bradley-Terry)"}
 PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 EVALUATE_FIGURES = {"eval_loss": "loss", "perplexity": "perplexity", "exact_match": "exact_match",
                     "contains": "contains", "preference_accuracy": "accuracy", "logps_desirable": "logps_desirable",
@@ -132,6 +134,34 @@ def front_matter_yaml(run, kind: str, kept: dict | None = None) -> str:
     return yaml.safe_dump({k: v for k, v in meta.items() if v is not None}, sort_keys=False, allow_unicode=True)
 
 
+def _reward_loading_section(recipe: dict, kind: str, where: str) -> str:
+    """A reward model loads as a sequence classifier with one output; a conversation is scored as training scored
+    its pairs: rendered whole with the chat template saved beside it."""
+    score = ("conversation = [{\"role\": \"user\", \"content\": \"What is 2 plus 3?\"},\n"
+             "                {\"role\": \"assistant\", \"content\": \"2 plus 3 is 5.\"}]\n"
+             "ids = tokenizer.apply_chat_template(conversation, return_tensors=\"pt\", return_dict=True)\n"
+             "reward = model(**ids).logits[0, 0].item()")
+    if kind == "merged":
+        code = ("from transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n"
+                f"model = AutoModelForSequenceClassification.from_pretrained({where})\n"
+                f"tokenizer = AutoTokenizer.from_pretrained({where})\n{score}")
+        return ("## Use it\n\nA reward model: a transformers sequence classifier with one output, the reward (no peft "
+                f"needed):\n\n```python\n{code}\n```")
+    model = _section(recipe, "model")
+    path, options = model.get("path", ""), _hub_options(model)
+    builtin = isinstance(path, str) and path.startswith("builtin:")
+    base_path = f"resolve_model_path({_literal(path)})" if builtin else _literal(path)
+    code = ("from peft import PeftModel\nfrom transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+            + ("from workbench.models import resolve_model_path  # builds the builtin base model\n" if builtin else "")
+            + f"\ntokenizer = AutoTokenizer.from_pretrained({where})  # the tokenizer training used\n"
+            f"base = AutoModelForSequenceClassification.from_pretrained({base_path}, num_labels=1, "
+            f"pad_token_id=tokenizer.pad_token_id{options})\n"
+            f"model = PeftModel.from_pretrained(base, {where})  # the adapter and the trained score head\n{score}")
+    return ("## Use it\n\nA reward model: the base as a sequence classifier with one output, then the adapter "
+            f"with its score head:\n\n```python\n{code}\n```\n\nThe reward is read at the conversation's last "
+            "token that is not the pad token (a classifier's own pooling), as in training.")
+
+
 def card_tags(recipe: dict, summary: dict) -> list[str]:
     """The tags the hub filters on: the method, peft, the objective, and this tool."""
     adapter = _section(recipe, "adapter")
@@ -212,6 +242,8 @@ def _objective_section(recipe: dict, summary: dict) -> str:
     elif objective == "kto":
         text += (f" beta = {training.get('kto_beta')}, desirable weight {training.get('kto_desirable_weight')}, "
                  f"undesirable weight {training.get('kto_undesirable_weight')}.")
+    elif objective == "reward" and training.get("reward_center_coefficient"):
+        text += f" Rewards centred with coefficient {training.get('reward_center_coefficient')}."
     return text
 
 
@@ -316,6 +348,8 @@ def _recipe_section(run_path: Path) -> str | None:
 
 def _loading_section(recipe: dict, kind: str, repo_id: str | None) -> str:
     where = _literal(repo_id or "path/to/this/folder")
+    if _section(recipe, "training").get("objective") == "reward":
+        return _reward_loading_section(recipe, kind, where)
     if kind == "merged" or _is_full(recipe):
         code = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"model = AutoModelForCausalLM.from_pretrained({where})\n"

@@ -66,10 +66,26 @@ def load_config(model: ModelSection):
     return scaled_config(config, model)
 
 
-def load_base_model(recipe: Recipe, device_map=None):
-    """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora)."""
-    from transformers import AutoModelForCausalLM
+def model_class(recipe: Recipe):
+    """The transformers auto class a run trains: a causal LM, or for a reward model (training.objective: reward)
+    the sequence classifier with one output, its `score` head in place of the LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    return AutoModelForSequenceClassification if recipe.training.scores_sequences else AutoModelForCausalLM
+
+
+def reward_config(recipe: Recipe, config=None):
+    """The base's config for a reward model: one label (the scalar reward) and the tokenizer's pad token, which
+    the classifier's own pooling needs (the workbench reads each answer's last token itself: objectives.Reward)."""
+    config = config if config is not None else load_config(recipe.model)
+    config.num_labels = 1
+    config.pad_token_id = load_tokenizer(recipe.model, recipe.data.chat_template).pad_token_id
+    return config
+
+
+def load_base_model(recipe: Recipe, device_map=None):
+    """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora); for a reward model the sequence
+    classifier over it, its score head drawn from the seed set before (the LM head is not read)."""
     from .attention import AUTO, resolve
     from .precision import concrete
 
@@ -94,10 +110,12 @@ def load_base_model(recipe: Recipe, device_map=None):
         kwargs["device_map"] = device_map
     if recipe.model.rope_scaling is not None:
         kwargs["config"] = load_config(recipe.model)
+    if recipe.training.scores_sequences:
+        kwargs["config"] = reward_config(recipe, kwargs.get("config"))
     streamed = read_without_mapping(path, recipe, kwargs)
     if streamed is not None:
         return streamed
-    return _hub_call(path, "weights", lambda: AutoModelForCausalLM.from_pretrained(path, **kwargs))
+    return _hub_call(path, "weights", lambda: model_class(recipe).from_pretrained(path, **kwargs))
 
 
 def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
@@ -111,7 +129,6 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, GenerationConfig
     from transformers.integrations import is_deepspeed_zero3_enabled
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from .model_configs import checkpoint_files
 
@@ -120,8 +137,8 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     if not files or recipe.model.trust_remote_code or is_deepspeed_zero3_enabled():
         return None
     config = kwargs.get("config") or AutoConfig.from_pretrained(folder)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_class is None:
+    cls = model_class(recipe)._model_mapping.get(type(config), None)
+    if cls is None:
         return None
     handles = []
     try:
@@ -134,7 +151,7 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
                 raise ModelError(f"model.path: {file} is not a readable safetensors file ({err})") from None
         weights = {name: handle.get_slice(name) for handle in handles for name in handle.keys()}
         try:
-            model = model_class.from_pretrained(None, state_dict=weights, **{**kwargs, "config": config})
+            model = cls.from_pretrained(None, state_dict=weights, **{**kwargs, "config": config})
         except (SafetensorError, OSError) as err:
             names = ", ".join(str(f) for f in files)
             raise ModelError(f"model.path: reading the weights failed ({err}) in {names}") from None
@@ -190,7 +207,8 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
         use_dora=adapter.method == "dora",
         modules_to_save=adapter.modules_to_save,
         init_lora_weights=adapter_init.peft_value(recipe),
-        task_type="CAUSAL_LM",
+        # a reward model's score head trains whole beside the adapter (peft adds it to modules_to_save)
+        task_type="SEQ_CLS" if recipe.training.scores_sequences else "CAUSAL_LM",
         **adapter_init.peft_options(recipe),
     )
     if adapter_init.of(recipe).before_adapter:

@@ -1,5 +1,5 @@
-"""What the loss optimizes: the next-token loss (`sft`), a preference between two answers (`dpo`, `orpo`), or
-desirable and undesirable answers on their own (`kto`).
+"""What the loss optimizes: the next-token loss (`sft`), a preference between two answers (`dpo`, `orpo`),
+desirable and undesirable answers on their own (`kto`), or a reward model's scores of two answers (`reward`).
 
 Every objective gives the loop the same pieces, so the loop has one path for all of them:
 
@@ -31,6 +31,9 @@ Definitions (as the papers and TRL's trainers compute them; checked against TRL 
   estimates z per micro-batch (averaged over ranks); the workbench over the whole step, the same for one
   micro-batch and less noisy with accumulation. A row is classified right when its reward lies on its label's
   side of the reference point beta * z (reward_accuracy).
+- Reward model: reward = the score head's output at the answer's last token; loss = mean over pairs of
+  -log sigmoid(reward_chosen - reward_rejected) (+ c * (reward_chosen + reward_rejected)^2 with
+  reward_center_coefficient c), as TRL's RewardTrainer.
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ class KTO(Objective):
                             rewards[desirable].sum(), desirable.sum().float(),
                             rewards[undesirable].sum(), undesirable.sum().float(),
                             logps.detach()[desirable].sum(), logps.detach()[undesirable].sum(),
-                            kl.detach() * len(losses), ((rewards > self.beta * kl) == desirable).float().sum()])
+                            kl.detach() * len(losses), right_side(rewards, self.beta * kl, desirable).float().sum()])
         return Part(losses.sum() / totals[PAIRS].clamp(min=1), sums)
 
     def report(self, sums) -> dict:
@@ -214,9 +217,35 @@ class KTO(Objective):
         return row
 
 
-def build(recipe, loss_sum_of, adapter_off=None):
+class Reward(Objective):
+    """A reward model: the score head's value at each answer's last token is its reward, and the chosen answer's
+    should exceed the rejected one's (Bradley-Terry)."""
+    name = "reward"
+    sum_names = ("loss_sum", "pairs", "rewards_chosen", "rewards_rejected", "correct")
+
+    def __init__(self, center_coefficient: float | None, pad_token_id: int):
+        self.center_coefficient, self.pad_token_id = center_coefficient, pad_token_id
+
+    def loss(self, model, batch, totals) -> Part:
+        rewards = sequence_rewards(model, batch, self.pad_token_id)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        losses = reward_losses(chosen, rejected, self.center_coefficient)
+        chosen, rejected = chosen.detach(), rejected.detach()
+        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
+                            chosen.sum(), rejected.sum(), (chosen > rejected).float().sum()])
+        return Part(losses.sum() / totals[PAIRS].clamp(min=1), sums)
+
+    def report(self, sums) -> dict:
+        loss, pairs, chosen, rejected, correct = (float(x) for x in sums)
+        if pairs == 0:
+            return {"loss": None}
+        return {"loss": loss / pairs, "rewards_chosen": chosen / pairs, "rewards_rejected": rejected / pairs,
+                "reward_margin": (chosen - rejected) / pairs, "reward_accuracy": correct / pairs}
+
+
+def build(recipe, loss_sum_of, adapter_off=None, pad_token_id: int | None = None):
     """The recipe's objective. adapter_off: a context manager that switches the adapter off (the reference of
-    DPO and KTO)."""
+    DPO and KTO); pad_token_id: the token a reward model never reads its score at."""
     training = recipe.training
     if training.objective == "dpo":
         return DPO(training.dpo_beta, adapter_off)
@@ -224,6 +253,8 @@ def build(recipe, loss_sum_of, adapter_off=None):
         return ORPO(training.orpo_lambda)
     if training.objective == "kto":
         return KTO(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight, adapter_off)
+    if training.objective == "reward":
+        return Reward(training.reward_center_coefficient, pad_token_id)
     return SFT(loss_sum_of)
 
 
@@ -252,6 +283,11 @@ def dpo_losses(chosen, rejected, reference_chosen, reference_rejected, beta: flo
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def right_side(rewards, point, desirable):
+    """Rows whose reward lies strictly on their label's side of the reference point (a tie is right for neither)."""
+    return torch.where(desirable, rewards > point, rewards < point)
+
+
 def kto_losses(log_ratios, kl, desirable, beta: float, desirable_weight: float, undesirable_weight: float):
     """Per-row KTO losses and the implicit rewards beta * log-ratio (detached). kl: the step's KL estimate,
     already clamped at 0 and without gradient."""
@@ -259,6 +295,15 @@ def kto_losses(log_ratios, kl, desirable, beta: float, desirable_weight: float, 
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(margin)),
                          undesirable_weight * (1 - torch.sigmoid(-margin)))
     return losses, beta * log_ratios.detach()
+
+
+def reward_losses(chosen, rejected, center_coefficient: float | None = None):
+    """Per-pair reward-model losses: -log sigmoid(r_chosen - r_rejected), plus center_coefficient *
+    (r_chosen + r_rejected)^2 where set (TRL's center_rewards_coefficient, whose batch mean is the mean of these)."""
+    losses = -F.logsigmoid(chosen - rejected)
+    if center_coefficient:
+        losses = losses + center_coefficient * (chosen + rejected) ** 2
+    return losses
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -286,6 +331,36 @@ def sample_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     token_logps, index, counted = _target_logps(model, batch, targets, sample_index(batch["position_ids"]))
     zeros = torch.zeros(samples, dtype=torch.float32, device=targets.device)
     return zeros.index_add(0, index, token_logps), zeros.index_add(0, index, counted)
+
+
+def sequence_rewards(model, batch, pad_token_id: int) -> torch.Tensor:
+    """Each sample's reward, in order: the score head's output at the sample's last token that is not the pad
+    token, the token a sequence classifier's own pooling reads in a row of one sample (so the merged or
+    adapter-loaded model scores a sample as training did; where the pad token is the EOS, the token before the
+    EOS). The head scores every position in the forward (hidden size x 1); the classifier's own pooling, one
+    token per row, is not read, so packed rows and pairs hold several samples each."""
+    input_ids = batch["input_ids"]
+    scored = []
+    hook = score_head(model).register_forward_hook(lambda module, args, output: scored.append(output))
+    try:
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    finally:
+        hook.remove()
+    scores = scored[-1].flatten().float()
+    real = (input_ids != pad_token_id).flatten()  # padding continues a row's last sample: never its last token
+    place = torch.arange(real.numel(), device=input_ids.device)
+    last = torch.zeros(batch["num_samples"], dtype=torch.long, device=input_ids.device).scatter_reduce(
+        0, sample_index(batch["position_ids"])[real], place[real], "amax")
+    return scores[last]
+
+
+def score_head(model) -> torch.nn.Module:
+    """A sequence classifier's `score` head (peft's wrapper of it, when it trains beside an adapter), through any
+    wrapper of the layout (DDP, DeepSpeed, FSDP2 keep the module names)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "score":
+            return module
+    raise ValueError(f"{type(model).__name__} has no score head: a reward model is loaded as a sequence classifier")
 
 
 def _target_logps(model, batch, targets, index):

@@ -70,7 +70,7 @@ class DataPreview:
                  f"tokens per sequence: median {s['median_length']}, max {s['max_length']} "
                  f"(max_seq_len {self.max_seq_len})",
                  f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows left out of "
-                 f"training (truncation took their answer{' or made the pair equal' if s['sequences'] > s['rows'] else ''}"
+                 f"training (truncation took their answer{' or made the pair equal' if s.get('pairs') else ''}"
                  f"): {s['lost_answer']}"]
         for part in s.get("mix", []):
             lines.append(f"  {part['path']} ({part['format']}): {part['rows']} rows, weight {part['weight']:g} -> "
@@ -220,7 +220,7 @@ def _stats(tokenized, lengths: list[int], cfg, fmt) -> dict:
              "target_fraction": sum(targets) / max(sum(ordered), 1),
              "median_length": ordered[len(ordered) // 2] if ordered else 0, "max_length": ordered[-1] if ordered else 0,
              "truncated": sum(tokenized["truncated"]), "truncated_fraction": sum(tokenized["truncated"]) / max(count, 1),
-             "lost_answer": sum(1 for t in targets if t == 0)}
+             "lost_answer": sum(1 for t in targets if t == 0), "pairs": fmt.preference}
     kept = drop_empty(tokenized)
     stats["examples"] = len(kept)
     if cfg.packing:

@@ -219,13 +219,14 @@ class TrainingSection(Section):
         True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
                           "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
                           "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
-    objective: Literal["sft", "dpo", "orpo", "kto"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "kto", "reward"] = Field(
         "sft", description="what the loss optimizes (workbench/objectives.py): sft (next-token loss on the answers), "
                            "dpo (prefer the chosen answer over the rejected one, against the base model with the "
                            "adapter off), orpo (next-token loss on the chosen answer plus an odds-ratio "
-                           "preference term, no reference) or kto (raise desirable answers and lower undesirable "
-                           "ones against the base model, from unpaired rows); dpo and orpo read data.format: "
-                           "preference, kto data.format: unpaired.")
+                           "preference term, no reference), kto (raise desirable answers and lower undesirable "
+                           "ones against the base model, from unpaired rows) or reward (a reward model: a scalar "
+                           "head scoring the chosen answer above the rejected one); dpo, orpo and reward read "
+                           "data.format: preference, kto data.format: unpaired.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the tuned model is held to the "
                                                    "reference (larger: smaller steps away from it).")
     orpo_lambda: float = Field(0.1, gt=0, description="ORPO's lambda: the weight of the odds-ratio term beside "
@@ -235,6 +236,9 @@ class TrainingSection(Section):
     kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: the weight of the desirable rows' losses.")
     kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: the weight of the undesirable rows' losses "
                                                                  "(raise it when they are the fewer).")
+    reward_center_coefficient: float | None = Field(
+        None, ge=0, description="reward: the weight of a penalty on the squared sum of each pair's rewards, which "
+                                "keeps them centred on 0 (null: none).")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     resume: Literal[False, "auto"] = Field(
         False, description="auto: a start with no checkpoint in the run directory trains from scratch, one with a "
@@ -256,6 +260,12 @@ class TrainingSection(Section):
         """Forward passes without gradients beside the one with, per micro-batch (workbench/objectives.py): the
         reference over every sample (dpo, kto), the policy over KTO's KL samples. The FLOP counts read it."""
         return {"dpo": 1, "kto": 2}.get(self.objective, 0)
+
+    @property
+    def scores_sequences(self) -> bool:
+        """Whether the model is a sequence scorer (a reward model: the base with a scalar `score` head in place of
+        its LM head, read at each answer's last token) rather than a language model."""
+        return self.objective == "reward"
 
 
 class FsdpSection(Section):

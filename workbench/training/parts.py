@@ -156,7 +156,7 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
 
 def _sample_generations(recipe, model, tokenizer, accelerator) -> list[tuple[str, Answer]] | None:
     prompts = recipe.output.sample_prompts
-    if not prompts:
+    if not prompts or recipe.training.scores_sequences:  # a reward model scores text; it does not write any
         return None
     unwrapped = unwrap(accelerator, model)
     return [(p, answer(unwrapped, tokenizer, p, max_new_tokens=recipe.output.sample_max_new_tokens))

@@ -266,7 +266,8 @@ class TrainingSession:
 
         # the loss: next-token (sft) or a preference (the reference of dpo and kto is this model, adapter off)
         self.objective = objectives.build(recipe, self.loss_sum_of,
-                                          objectives.adapter_off_of(unwrap(accelerator, self.model)))
+                                          objectives.adapter_off_of(unwrap(accelerator, self.model)),
+                                          self.tokenizer.pad_token_id)
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
         checkpoint = self.resuming.checkpoint
         if checkpoint is not None:

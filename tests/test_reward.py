@@ -1,0 +1,157 @@
+"""Reward models (training.objective: reward): the recipe's rules, a run whose held-out accuracy grows, the adapter
+saved as a standard sequence-classification adapter that transformers + peft load and that scores as training
+did, the merged classifier, evaluate, resume, and the commands that cannot apply refused in one line.
+(Agreement with TRL's RewardTrainer: tests/test_objectives.py; every distributed layout: tests/test_strategy_matrix.py.)"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from workbench import Recipe, RecipeError, WorkbenchError
+from workbench.runs import RunDir
+
+PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
+
+
+REFUSED = [
+    (["training.objective=reward"], "data.format: training.objective reward learns from preference rows; set "
+                                    r"data.format: preference \(got chat\)"),
+    (["training.objective=reward", "data.format=unpaired"], "give preference rows"),
+    (["training.objective=reward", "data.format=preference", "adapter.method=full"],
+     "training.objective: reward trains an adapter and the score head beside it"),
+    (["training.objective=reward", "data.format=preference", "data.train_on=all"],
+     "data.train_on: preference rows are scored on their answers"),
+    (["training.objective=reward", "data.format=preference", "training.reward_center_coefficient=-1"],
+     "training.reward_center_coefficient"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_contradictory_recipes_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        Recipe.load("recipes/tiny.yaml", overrides)
+
+
+def test_the_model_is_a_sequence_classifier_whose_score_head_trains_beside_the_adapter():
+    from workbench.models import attach_adapter, load_base_model
+
+    recipe = Recipe.load("recipes/tiny-reward.yaml", ["model.dtype=float32", "training.mixed_precision=no"])
+    torch.manual_seed(0)
+    model = attach_adapter(load_base_model(recipe), recipe)
+    assert type(model.base_model.model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.num_labels == 1 and model.config.pad_token_id is not None
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(n.endswith("score.modules_to_save.default.weight") for n in trained)
+    assert all("lora_" in n or ".score." in n for n in trained)
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+
+
+def reward_run(tmp_path, *extra):
+    from workbench import train
+
+    recipe = Recipe.load("recipes/tiny-reward.yaml", [
+        f"output.dir={tmp_path}/{{name}}", "training.threads=1", "model.dtype=float32",
+        "training.mixed_precision=no", *extra])
+    return train(recipe, progress_bar=False)
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return reward_run(tmp_path_factory.mktemp("reward"))
+
+
+@pytest.mark.slow
+def test_held_out_accuracy_grows_and_evaluate_reports_it(trained):
+    from workbench.evaluation import evaluate, format_evaluation
+
+    evals = [r for r in rows_of(trained.run_dir) if "eval_loss" in r]
+    first, last = evals[0], evals[-1]
+    assert trained.summary["objective"] == "reward" and trained.summary.get("samples") is None
+    assert last["eval_loss"] < first["eval_loss"] - 0.1, (first, last)
+    # a score head drawn at random on a tiny model: about 3 held-out pairs in 4 ranked right after 3 epochs
+    assert last["eval_reward_accuracy"] >= 0.65 and last["eval_reward_margin"] > first["eval_reward_margin"] + 0.5
+    train_rows = [r for r in rows_of(trained.run_dir) if "loss" in r]
+    assert {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"} <= set(train_rows[-1])
+
+    report = evaluate(trained.run_dir)
+    assert report["rows"] == 24 and report["objective"] == "reward" and report["base"] is None
+    # the same pairs as training's evaluation, scored by the saved adapter loaded the standard way
+    assert report["tuned"]["reward_margin"] == pytest.approx(last["eval_reward_margin"], rel=1e-3)
+    assert report["tuned"]["reward_accuracy"] == pytest.approx(last["eval_reward_accuracy"], abs=1e-4)
+    assert "reward_accuracy" in format_evaluation(report)
+    card = (trained.run_dir / "adapter" / "README.md").read_text()
+    assert "a reward model" in card and "AutoModelForSequenceClassification" in card
+
+
+@pytest.mark.slow
+def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
+    """transformers + peft load it as any sequence-classification adapter; a sample alone, rendered as the model
+    card says, scores what training scored it at; the merged folder is a plain classifier that scores the same."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from workbench.data import Collator, tokenize_pair, tokenize_row
+    from workbench.merging import merge
+    from workbench.models import resolve_model_path
+    from workbench.objectives import sequence_rewards
+
+    adapter = trained.run_dir / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    base = AutoModelForSequenceClassification.from_pretrained(resolve_model_path("builtin:tiny"), num_labels=1,
+                                                              pad_token_id=tokenizer.pad_token_id)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+
+    cfg = Recipe.load(trained.run_dir / "recipe.yaml").data
+    chosen, rejected = tokenize_pair(PAIR, tokenizer, cfg, "x:1")
+    conversation = [{"role": "user", "content": PAIR["prompt"]}, {"role": "assistant", "content": PAIR["chosen"]}]
+    card_ids = tokenizer.apply_chat_template(conversation, return_dict=True)["input_ids"]
+    assert card_ids == chosen["input_ids"]  # the model card's recipe renders a conversation as training does
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]])).logits[0, 0] for s in (chosen, rejected)]
+        batch = Collator(tokenizer.pad_token_id)([tokenize_row(PAIR, tokenizer, cfg, "x:1")])
+        ours = sequence_rewards(model, batch, tokenizer.pad_token_id)
+    assert ours.tolist() == pytest.approx([float(r) for r in alone], abs=1e-5)
+
+    merged = AutoModelForSequenceClassification.from_pretrained(merge(trained.run_dir, dtype="fp32")).eval()
+    with torch.no_grad():
+        assert float(merged(input_ids=torch.tensor([chosen["input_ids"]])).logits[0, 0]) == pytest.approx(
+            float(alone[0]), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_commands_that_need_an_lm_head_are_refused_in_one_line(trained, capsys):
+    from workbench.cli import main
+    from workbench.inference import generate
+
+    with pytest.raises(WorkbenchError, match="a reward model .* scores answers and writes none"):
+        generate(trained.run_dir, "What is 2 plus 3?")
+    assert main(["export", str(trained.run_dir)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "a reward model" in errors[0] and "score head" in errors[0]
+    assert not (trained.run_dir / "gguf").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_reward_run_equals_an_uninterrupted_one(tmp_path):
+    steps = ["training.max_steps=6", "output.save_every=3", "output.log_every=1", "output.eval_every=null"]
+    whole = reward_run(tmp_path / "whole", *steps)
+    cut = tmp_path / "cut" / "tiny-reward"
+    shutil.copytree(whole.run_dir, cut)
+    run = RunDir(cut)
+    shutil.rmtree(run.checkpoint(6))
+    shutil.rmtree(cut / "adapter")
+    run.update_json(summary={"status": "running"})
+    resumed = reward_run(tmp_path / "cut", *steps, "training.resume=auto")
+    keys = ("loss", "reward_margin", "reward_accuracy")
+    assert [r[k] for r in rows_of(resumed.run_dir) if "loss" in r for k in keys] == pytest.approx(
+        [r[k] for r in rows_of(whole.run_dir) if "loss" in r for k in keys], rel=1e-5, abs=1e-7)
