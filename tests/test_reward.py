@@ -47,6 +47,23 @@ def test_the_model_is_a_sequence_classifier_whose_score_head_trains_beside_the_a
     assert all("lora_" in n or ".score." in n for n in trained)
 
 
+def test_the_estimate_leaves_out_the_lm_head_and_its_logits():
+    from workbench.memory import estimate
+
+    pairs = Recipe.load("recipes/tiny-reward.yaml", ["training.objective=orpo", "data.max_seq_len=256"])
+    reward = pairs.override("training.objective=reward")
+    rows = {name: next(s for s in estimate(r, device="cpu").strategies if s["name"] == "single")["breakdown"]
+            for name, r in (("orpo", pairs), ("reward", reward))}
+    from workbench.model_configs import describe_model
+
+    info = describe_model("builtin:tiny")
+    head = next(lin for lin in info.linears if lin.name == info.head)
+    assert not info.tied_embeddings  # builtin:tiny's head has a matrix of its own: the reward model leaves it
+    assert rows["orpo"]["weights"] - rows["reward"]["weights"] in (head.in_features * head.out_features * b
+                                                                   for b in (2, 4))
+    assert rows["reward"]["activations"] < rows["orpo"]["activations"]
+
+
 # -- training ---------------------------------------------------------------------------------------------------
 
 
@@ -122,7 +139,12 @@ def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
         ours = sequence_rewards(model, batch, tokenizer.pad_token_id)
     assert ours.tolist() == pytest.approx([float(r) for r in alone], abs=1e-5)
 
-    merged = AutoModelForSequenceClassification.from_pretrained(merge(trained.run_dir, dtype="fp32")).eval()
+    folder = merge(trained.run_dir, dtype="fp32")
+    merged = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    from workbench.inference import generate
+
+    with pytest.raises(WorkbenchError, match="holds a classifier .*LlamaForSequenceClassification"):
+        generate(folder, "What is 2 plus 3?")  # loaded as a language model, it would write noise
     with torch.no_grad():
         assert float(merged(input_ids=torch.tensor([chosen["input_ids"]])).logits[0, 0]) == pytest.approx(
             float(alone[0]), abs=1e-4)
@@ -139,6 +161,15 @@ def test_commands_that_need_an_lm_head_are_refused_in_one_line(trained, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "a reward model" in errors[0] and "score head" in errors[0]
     assert not (trained.run_dir / "gguf").exists()
+
+
+@pytest.mark.slow
+def test_a_data_driven_init_leaves_the_score_head_out(tmp_path):
+    """CorDA decomposes the inputs of every targeted linear layer; the score head is trained whole, not a target."""
+    result = reward_run(tmp_path, "adapter.init=corda", "training.max_steps=2", "output.eval_every=null")
+    assert result.summary["steps"] == 2
+    config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
+    assert "score" not in (config["target_modules"] or []) and "score" in config["modules_to_save"]
 
 
 @pytest.mark.slow

@@ -31,11 +31,13 @@ STEPS = 4
 CELL = [f"training.max_steps={STEPS}", "output.save_every=2", *[c for c in COMMON if "max_steps" not in c]]
 METHODS = {"lora": [], "qlora": ["adapter.method=qlora", "quantization.quant_storage=float32"]}
 # preference objectives on LoRA: a pair is one row of two sequences, normalised over the step's pairs on every rank
-PREFERENCE_DATA = ["data.train=recipes/data/preference_train.jsonl", "data.format=preference"]
+PREFERENCE_DATA = ["data.train=recipes/data/preference_train.jsonl", "data.format=preference",
+                   "data.eval=recipes/data/preference_eval.jsonl"]
 OBJECTIVES = {"dpo": [*PREFERENCE_DATA, "training.objective=dpo"],
               "orpo": [*PREFERENCE_DATA, "training.objective=orpo"],
               # KTO: its KL estimate is summed over the step's micro-batches and ranks like the loss's counts
-              "kto": ["data.train=recipes/data/unpaired_train.jsonl", "data.format=unpaired", "training.objective=kto"],
+              "kto": ["data.train=recipes/data/unpaired_train.jsonl", "data.format=unpaired", "training.objective=kto",
+                      "data.eval=recipes/data/unpaired_eval.jsonl"],
               # a reward model: a sequence classifier whose score head trains whole beside the adapter
               "reward": [*PREFERENCE_DATA, "training.objective=reward"]}
 OBJECTIVE_CELLS = (("dpo", 2), ("orpo", 1), ("kto", 2), ("reward", 1))  # (objective, grad_accum) on every layout
@@ -165,10 +167,16 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
         assert column(cell, "reward_accuracy") == column(reference, "reward_accuracy")
         if method == "kto":
             assert column(cell, "kl") == pytest.approx(column(reference, "kl"), rel=1e-3, abs=1e-6)
+        # the held-out pairs (rows), each scored once on one process, stand-ins where a process has none left
+        for name in ("eval_loss", "eval_reward_margin", "eval_reward_accuracy"):
+            assert column(cell, name, "eval_loss") == pytest.approx(column(reference, name, "eval_loss"),
+                                                                    rel=1e-4, abs=1e-6), name
+        assert len(column(cell, "eval_loss", "eval_loss")) == 2  # before the first step and after the last
 
 
-def column(run_dir, name: str) -> list:
-    return [r[name] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+def column(run_dir, name: str, row: str = "loss") -> list:
+    """`name` in each row of metrics.jsonl that has `row` (training rows, or evaluation rows)."""
+    return [r[name] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if row in r]
 
 
 @pytest.mark.parametrize("layout, grad_accum", EPOCH_END_CELLS, ids=[f"{l}-ga{g}" for l, g in EPOCH_END_CELLS])

@@ -136,9 +136,11 @@ def preprocess_corda(model, config, rows) -> None:
                       position_ids=torch.tensor([positions], device=device), use_cache=False)
 
     if config.target_modules == "all-linear":  # as get_peft_model expands it; CorDA's own matching takes names only
-        head = model.get_output_embeddings()
+        # the head stays out: a language model's output embeddings, a classifier's score head (a reward model)
+        heads = {id(model.get_output_embeddings())} | {id(module) for name, module in model.named_modules()
+                                                       if name.rsplit(".", 1)[-1] in ("score", "classifier")}
         config.target_modules = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                                 if isinstance(module, torch.nn.Linear) and module is not head}
+                                 if isinstance(module, torch.nn.Linear) and id(module) not in heads}
     with torch.no_grad():
         corda(model, config, run_model=run_model)
 

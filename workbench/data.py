@@ -673,10 +673,11 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
 
 
 def _summarise(dataset, role: str) -> dict:
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    import pyarrow.compute as pc
+
     return {
         f"{role}_samples": len(dataset),
-        f"{role}_tokens": sum(lengths),
+        f"{role}_tokens": int(pc.sum(pc.list_value_length(dataset.with_format("arrow")["input_ids"])).as_py() or 0),
         f"{role}_target_tokens": sum(dataset["targets"]),
         f"{role}_truncated": sum(dataset["truncated"]),
         f"{role}_empty": sum(1 for t in dataset["targets"] if t == 0),
@@ -696,38 +697,98 @@ def with_positions(dataset):
                        remove_columns=["truncated", "targets"])
 
 
+PACK_CHUNK_TOKENS = 2 ** 18  # about how many tokens of packed rows are built in memory at a time
+
+
 def pack(dataset, max_seq_len: int):
     """Best-fit-decreasing packing: fewest sequences of at most max_seq_len tokens. An example of several
     samples (a preference pair) stays whole and in order. Pairs that hold their prompt once are binned by their
-    two whole sequences' length, so they fill the rows and steps whole pairs would (the rows only get shorter)."""
-    import datasets
+    two whole sequences' length, so they fill the rows and steps whole pairs would (the rows only get shorter).
 
-    lengths = (dataset["whole_length"] if "whole_length" in dataset.column_names
-               else [len(ids) for ids in dataset["input_ids"]])
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
+    Only the lengths are held in memory (read from the Arrow columns); the packed rows are written to the cache
+    a chunk of examples at a time and memory-mapped back, so preparing a data set far larger than memory takes
+    memory for its lengths and bins, not its tokens."""
+    import datasets
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    lengths = (table["whole_length"].to_numpy() if "whole_length" in dataset.column_names
+               else pc.list_value_length(table["input_ids"]).to_numpy())
+    members, ends = _best_fit_decreasing(lengths, max_seq_len)
+    columns = ["input_ids", "labels", *(c for c in ("position_ids", "desirable") if c in dataset.column_names)]
+
+    def packed_chunks():
+        per_chunk = max(1, PACK_CHUNK_TOKENS // max_seq_len)
+        starts = [0, *ends[:-1]]
+        for first in range(0, len(ends), per_chunk):
+            bounds = list(zip(starts[first:first + per_chunk], ends[first:first + per_chunk]))
+            offset = bounds[0][0]
+            rows = table[members[offset:bounds[-1][1]].tolist()].select(columns).to_pydict()
+            if "position_ids" not in rows:
+                rows["position_ids"] = [list(range(len(ids))) for ids in rows["input_ids"]]
+            batch = {name: [] for name in rows}
+            for start, end in bounds:
+                for name, values in rows.items():  # unpaired rows' labels too, one per example, in the pack's order
+                    batch[name].append([x for k in range(start - offset, end - offset) for x in values[k]])
+            yield batch
+
+    features = datasets.Features({**{name: datasets.List(datasets.Value("int32"))
+                                     for name in ("input_ids", "labels", "position_ids")},
+                                  **({"desirable": datasets.List(datasets.Value("bool"))}
+                                     if "desirable" in columns else {})})
+    key = hashlib.sha256(f"{dataset._fingerprint}|{max_seq_len}|{PIPELINE_VERSION}|pack".encode()).hexdigest()
+    return _written_once(cache_dir() / "data" / "packed" / f"{key[:32]}.arrow", features, packed_chunks)
+
+
+def _written_once(path: Path, features, batches) -> Any:
+    """The data set of `batches` written to `path` (an Arrow file, memory-mapped back), or the one an earlier
+    call wrote there. Written under a name of this writer's own and renamed into place: two processes packing
+    at once each write theirs and the last rename wins (the same bytes); a crash leaves no half file."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            writer = ArrowWriter(features=features, path=str(staging))
+            try:
+                for batch in batches():
+                    writer.write_batch(batch)
+                writer.finalize()
+            finally:
+                writer.close()
+            os.replace(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)
+    return datasets.Dataset.from_file(str(path))
+
+
+def _best_fit_decreasing(lengths, capacity: int):
+    """Bins of example indices, each bin's lengths summing to at most `capacity`: the longest example first into
+    the fullest bin it fits (ties: the lower index first, so the bins are the same on every process). Returned
+    flat, as arrays of a few bytes per example: (members, ends), bin b holding members[ends[b-1]:ends[b]] in the
+    order they went in."""
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.lexsort((np.arange(len(lengths)), -lengths))  # longest first, then the lower index
+    bin_of = np.empty(len(lengths), dtype=np.int64)
     free: list[tuple[int, int]] = []  # sorted (room left, bin index)
-    for i in order:
-        slot = bisect.bisect_left(free, (lengths[i], -1))
-        if slot < len(free):
-            room, b = free.pop(slot)
-        else:
-            room, b = max_seq_len, len(bins)
-            bins.append([])
-        bins[b].append(i)
-        bisect.insort(free, (room - lengths[i], b))
-    input_ids, labels = dataset["input_ids"], dataset["labels"]
-    positions = (dataset["position_ids"] if "position_ids" in dataset.column_names
-                 else [range(len(ids)) for ids in input_ids])
-    packs = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in bins:
-        packs["input_ids"].append([t for i in members for t in input_ids[i]])
-        packs["labels"].append([t for i in members for t in labels[i]])
-        packs["position_ids"].append([p for i in members for p in positions[i]])
-    if "desirable" in dataset.column_names:  # unpaired rows: each example's label, in the pack's order
-        desirable = dataset["desirable"]
-        packs["desirable"] = [[d for i in members for d in desirable[i]] for members in bins]
-    return datasets.Dataset.from_dict(packs)
+    bins = 0
+    for start in range(0, len(order), 1 << 20):  # Python ints a slice at a time
+        for i in order[start:start + (1 << 20)].tolist():
+            length = int(lengths[i])
+            slot = bisect.bisect_left(free, (length, -1))
+            if slot < len(free):
+                room, b = free.pop(slot)
+            else:
+                room, b = capacity, bins
+                bins += 1
+            bin_of[i] = b
+            bisect.insort(free, (room - length, b))
+    members = order[np.argsort(bin_of[order], kind="stable")]
+    return members, np.cumsum(np.bincount(bin_of, minlength=bins)).tolist()
 
 
 # -- batches ----------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
     scores = training.get("objective") == "reward"
     model, tokenizer = load_for_inference(run.path, generates=not scores)
     fmt = format_of(cfg.format)
+    if scores and base:
+        raise RecipeError("--base: a reward model's base has no trained score head to score with; evaluate the "
+                          "run without --base")
     if scores:  # a reward model: how often it scores the chosen answer higher
         result = evaluate_rewards(model, tokenizer, parts, limit, batch_size)
         result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))

@@ -53,6 +53,7 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     source = Path(source)
     if not (source / "run.json").exists():
         path = resolve_model_path(str(source))
+        refuse_classifier(path, source)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return model.to(device).eval(), tokenizer_of(path)
 
@@ -77,6 +78,21 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
         check_adapter(source, run.adapter_dir)
         model = load_adapter(model, run.adapter_dir)
     return model.eval(), tokenizer
+
+
+def refuse_classifier(path: str, source) -> None:
+    """A model folder that holds a classifier (a merged reward model): loading it as a language model would draw a
+    random LM head and write noise."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    if any(str(name).endswith(("ForSequenceClassification", "ForTokenClassification")) for name in architectures):
+        raise WorkbenchError(f"{source}: holds a classifier ({architectures[0]}), such as a merged reward model; it "
+                             "scores text and writes none")
 
 
 def check_adapter(source, adapter_dir: Path) -> None:

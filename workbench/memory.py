@@ -341,7 +341,15 @@ def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
 
 
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
-    """Frozen (or, for full fine-tuning, trained) base weights as they sit in memory."""
+    """Frozen (or, for full fine-tuning, trained) base weights as they sit in memory. A reward model loads without
+    the LM head's own matrix (its score head, hidden x 1, is counted with the trainable weights)."""
+    if recipe.training.scores_sequences and not info.tied_embeddings:
+        head = next((lin for lin in info.linears if lin.name == info.head), None)
+        if head is not None:
+            unloaded = head.in_features * head.out_features
+            dtype = recipe.model.dtype if recipe.adapter.method != "qlora" else vocabulary_dtype(recipe, info)
+            whole = weight_bytes(recipe.override("training.objective=orpo"), info)  # the same, with its head
+            return int(whole - unloaded * DTYPE_BYTES[dtype])
     if recipe.adapter.method != "qlora":
         return info.params * DTYPE_BYTES[recipe.model.dtype]
     quantized = sum(lin.in_features * lin.out_features for lin in info.linears if lin.name != info.head)
@@ -450,6 +458,8 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
             head_copy = 4 * min(info.vocab * h, CHUNK_ELEMENTS)
         chunk = min(tokens * info.vocab, CHUNK_ELEMENTS)
         loss = max(tokens * 3 * resid * h + 3 * 4 * chunk + head_copy, tokens * one_layer)
+    if train.scores_sequences:  # a reward model: a score per position (hidden x 1) in place of the logits
+        loss = loss_full = tokens * max(3 * 4, one_layer)
     copies = 0.0
     if autocast and method != "full":  # fp32 adapter weights, cast once per forward and kept for backward
         copies += 2 * sum(adapter.r * (lin.in_features + lin.out_features) for lin in targets)
@@ -606,19 +616,26 @@ def data_tokens(recipe: Recipe) -> int | None:
 
 
 def _file_tokens(path: Path, limit: int | None) -> int | None:
-    if not path.is_file() or path.suffix.lower() not in (".jsonl", ".json", ".csv"):
+    """A file's text characters / 4, read a line at a time (a JSON array whole): its size does not matter."""
+    suffix = path.suffix.lower()
+    if not path.is_file() or suffix not in (".jsonl", ".json", ".csv"):
         return None
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix.lower() == ".csv":
-        rows = text.splitlines()[1:]
-        chars = [len(r) for r in rows]
-    else:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix.lower() == ".jsonl" \
-            else json.loads(text)
-        chars = [_text_chars(item) for item in (items if isinstance(items, list) else [items])]
-    if limit:
-        chars = chars[:limit]
-    return max(1, int(sum(chars) / CHARS_PER_TOKEN))
+    if suffix == ".json":
+        items = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        chars = [_text_chars(item) for item in (items if isinstance(items, list) else [items])][:limit]
+        return max(1, int(sum(chars) / CHARS_PER_TOKEN))
+    total = rows = 0
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        if suffix == ".csv":
+            next(lines, None)  # the header
+        for line in lines:
+            if limit and rows >= limit:
+                break
+            if not line.strip():
+                continue
+            total += len(line.rstrip("\n")) if suffix == ".csv" else _text_chars(json.loads(line))
+            rows += 1
+    return max(1, int(total / CHARS_PER_TOKEN))
 
 
 def _text_chars(value) -> int:

@@ -127,7 +127,7 @@ def front_matter_yaml(run, kind: str, kept: dict | None = None) -> str:
         "license": licence,
         "tags": card_tags(recipe, summary),
         "datasets": list(dict.fromkeys(datasets)) or None,
-        "pipeline_tag": "text-generation",
+        "pipeline_tag": _pipeline(recipe)["type"],
         "model-index": [{"name": recipe.get("name") or run.name, "results": results}] if results else None,
     }
     meta.update(kept or {})
@@ -332,7 +332,7 @@ def _evaluation_section(evaluation: dict) -> str | None:
     if not figures:
         return None
     rows = [(k, base.get(k), tuned.get(k)) for k in figures]
-    what = "pairs" if "preference_accuracy" in figures else "rows"
+    what = "pairs" if "preference_accuracy" in figures or evaluation.get("objective") == "reward" else "rows"
     intro = (f"`workbench evaluate` on {evaluation.get('rows')} {what} of {_code(evaluation.get('data'))}"
              f" (after step {evaluation.get('run_steps')}).")
     return f"## Evaluation\n\n{intro}\n\n" + _table(("figure", "base", "tuned"), rows)
@@ -512,21 +512,28 @@ def _eval_results(recipe: dict, summary: dict, evaluation: dict) -> list[dict]:
         figures = {"loss": summary.get("eval_loss_final"), "reward_accuracy": summary.get("eval_reward_accuracy_final"),
                    "reward_margin": summary.get("eval_reward_margin_final")}
         name = held_out if data.get("eval") else f"{held_out} (held out)"
-        results.append(_result(str(held_out), name, figures, "eval"))
+        results.append(_result(str(held_out), name, figures, "eval", _pipeline(recipe)))
     tuned = _section(evaluation, "tuned")
     if tuned and evaluation.get("data"):
         figures = {EVALUATE_FIGURES[k]: tuned.get(k) for k in EVALUATE_FIGURES}
-        results.append(_result(str(evaluation["data"]), str(evaluation["data"]), figures, "workbench evaluate"))
+        results.append(_result(str(evaluation["data"]), str(evaluation["data"]), figures, "workbench evaluate",
+                               _pipeline(recipe)))
     return [r for r in results if r["metrics"]]
 
 
-def _result(dataset: str, name: str, figures: dict, source: str) -> dict:
+def _result(dataset: str, name: str, figures: dict, source: str, task: dict) -> dict:
     """One model-index result: the hub wants a dataset type (a hub id; for a file, its format) and name."""
     kind = _hub_data_name(dataset) or Path(dataset).suffix.lstrip(".").replace("jsonl", "json")
     metrics = [{"type": metric, "value": value, "name": f"{metric.replace('_', ' ')} ({source})"}
                for metric, value in figures.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
-    return {"task": {"type": "text-generation", "name": "Text Generation"},
-            "dataset": {"name": name, "type": kind or "local"}, "metrics": metrics}
+    return {"task": task, "dataset": {"name": name, "type": kind or "local"}, "metrics": metrics}
+
+
+def _pipeline(recipe: dict) -> dict:
+    """The hub's task: a reward model classifies (scores) text, every other run generates it."""
+    if _section(recipe, "training").get("objective") == "reward":
+        return {"type": "text-classification", "name": "Text Classification"}
+    return {"type": "text-generation", "name": "Text Generation"}
 
 
 def _hub_data_name(text: str) -> str | None:

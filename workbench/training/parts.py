@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
+from ..data import STAND_IN
 from ..distributed import full_state_dict, host_transfer, unwrap
 from ..errors import WorkbenchError
 from ..inference import Answer, answer
@@ -50,9 +51,12 @@ def evaluate(model, loader, accelerator, objective) -> dict | None:
     was_training = model.training
     model.eval()
     sums = torch.zeros(len(objective.sum_names), device=accelerator.device)
-    for batch in loader:
-        # normalised by this batch's own counts; the report divides the summed parts by the totals
-        sums += objective.loss(model, batch, objective.counts(model, batch)).sums
+    for batch in _on_device(loader, accelerator):
+        # normalised by this batch's own counts; the report divides the summed parts by the totals. A stand-in
+        # (a process with no rows left) runs the passes the others' collectives wait for, and counts nothing.
+        part = objective.loss(model, batch, objective.counts(model, batch)).sums
+        if not batch.get(STAND_IN):
+            sums += part
     model.train(was_training)
     report = objective.report(accelerator.reduce(sums, reduction="sum").cpu())
     return {f"eval_{k}": (round(v, 6) if v is not None else None) for k, v in report.items()}

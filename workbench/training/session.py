@@ -177,8 +177,13 @@ class TrainingSession:
         pinned = host_transfer(accelerator.device.type)["pin_memory"]
         self.train_loader = DataLoader(TrainRows(self.data.train), batch_sampler=self.batches_of, collate_fn=collate,
                                        generator=torch.Generator().manual_seed(cfg.seed), pin_memory=pinned)
-        self.eval_loader = (DataLoader(self.data.eval, batch_size=cfg.micro_batch_size, collate_fn=collate,
-                                       pin_memory=pinned) if self.data.eval is not None else None)
+        # the held-out rows dealt the same way, in file order: each row scored once on one process (accelerate's
+        # sharding would repeat rows to even out the processes, and count them twice)
+        self.eval_loader = (DataLoader(TrainRows(self.data.eval), collate_fn=collate, pin_memory=pinned,
+                                       batch_sampler=StepBatches(len(self.data.eval), cfg.micro_batch_size,
+                                                                 accelerator.num_processes,
+                                                                 accelerator.process_index, shuffle=False))
+                            if self.data.eval is not None else None)
 
     def setup_model(self) -> None:
         """The model with its adapter, the optimizer, and (resuming) the plan for loading the checkpoint."""
@@ -257,8 +262,6 @@ class TrainingSession:
         """Model and optimizer placed for the layout, the schedule, the objective; a resumed run's checkpoint loaded."""
         recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
-        if self.eval_loader is not None:
-            self.eval_loader = accelerator.prepare(self.eval_loader)
         steps_per_epoch = math.ceil(len(self.train_loader) / cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
         self.scheduler = build_scheduler(self.optimizer, recipe, self.total_steps)
