@@ -64,6 +64,22 @@ def test_the_estimate_leaves_out_the_lm_head_and_its_logits():
     assert rows["reward"]["activations"] < rows["orpo"]["activations"]
 
 
+def test_a_pair_that_truncation_cuts_is_left_out_and_counted(tmp_path, tiny_tokenizer, monkeypatch):
+    """A reward is read at a sample's last token: in a cut answer that is mid-answer, so a reward model leaves the
+    pair out (other objectives train on what truncation keeps)."""
+    from workbench.data import prepare_data
+    from workbench.recipe import DataSection
+
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pairs.jsonl"
+    long = {**PAIR, "chosen": "2 plus 3 is " + "very " * 60 + "much 5."}
+    path.write_text("\n".join(json.dumps(r) for r in (PAIR, long, PAIR)) + "\n")
+    cfg = DataSection(train=str(path), format="preference", max_seq_len=64, packing=False)
+    kept = prepare_data(cfg, tiny_tokenizer, whole_only=True)
+    assert len(kept.train) == 2 and kept.stats["train_cut"] == 1 and kept.stats["train_truncated"] == 1
+    assert len(prepare_data(cfg, tiny_tokenizer).train) == 3  # the other objectives train on what is kept
+
+
 # -- training ---------------------------------------------------------------------------------------------------
 
 

@@ -644,8 +644,11 @@ def check_trainable(train_tok, cfg: DataSection) -> None:
         raise DataError(f"{cfg.train_name}: no training sample has a target token left after truncation")
 
 
-def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False) -> PreparedData:
-    """share_prompts: each preference pair holds its prompt once (attention.shares_prompts says when it may)."""
+def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool = False,
+                 whole_only: bool = False) -> PreparedData:
+    """share_prompts: each preference pair holds its prompt once (attention.shares_prompts says when it may).
+    whole_only: examples that truncation cut are left out and counted (`train_cut`, `eval_cut`): a reward model
+    reads each sample's last token, which in a cut sample is mid-answer (TRL's RewardTrainer drops such pairs)."""
     tokenized = tokenize_data(cfg, tokenizer, seed, share_prompts)
     train_tok, eval_tok = tokenized.train, tokenized.eval
     stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
@@ -660,9 +663,16 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     if tokenized.eval_rows is not None:
         stats["eval_sha256"] = tokenized.eval_rows.fingerprint
     train_tok = drop_empty(train_tok)
+    if whole_only:
+        train_tok, stats["train_cut"] = drop_cut(train_tok)
+        if len(train_tok) == 0:
+            raise DataError(f"{cfg.train_name}: every example is longer than data.max_seq_len={cfg.max_seq_len} "
+                            "(a reward model reads whole samples); raise data.max_seq_len")
     if eval_tok is not None:
         stats.update(_summarise(eval_tok, "eval"))
         eval_tok = drop_empty(eval_tok)
+        if whole_only:
+            eval_tok, stats["eval_cut"] = drop_cut(eval_tok)
     row_len = cfg.max_seq_len * format_of(cfg.format).sequences_per_example  # a pair is two sequences
     train = pack(train_tok, row_len) if cfg.packing else with_positions(train_tok)
     evaluation = None
@@ -687,6 +697,12 @@ def _summarise(dataset, role: str) -> dict:
 def drop_empty(dataset):
     keep = [i for i, t in enumerate(dataset["targets"]) if t > 0]
     return dataset if len(keep) == len(dataset) else dataset.select(keep)
+
+
+def drop_cut(dataset):
+    """(the examples truncation left whole, how many it cut)."""
+    keep = [i for i, cut in enumerate(dataset["truncated"]) if not cut]
+    return (dataset if len(keep) == len(dataset) else dataset.select(keep)), len(dataset) - len(keep)
 
 
 def with_positions(dataset):

@@ -310,13 +310,13 @@ def evaluate_rewards(model, tokenizer, parts: list[tuple[Rows, DataSection]], li
             raise DataError(f"{where}: a reward model is evaluated on preference pairs (prompt, chosen, rejected); "
                             f"this row is {cfg.format}")
         example = tokenize_row(row, tokenizer, cfg, where)
-        if example["targets"]:
+        if example["targets"] and not example["truncated"]:  # scored whole, as training left cut pairs out
             pairs.append(example)
         else:
             without_targets += 1
     if not pairs:
-        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no pair to evaluate (every one lost an "
-                        "answer to data.max_seq_len)")
+        raise DataError(f"{' + '.join(rows.source for rows, _ in parts)}: no pair to evaluate (every one is longer "
+                        "than data.max_seq_len)")
     collate = Collator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     with torch.no_grad():
@@ -441,7 +441,7 @@ def format_evaluation(result: dict) -> str:
         keys = (("logps_desirable", "logps_undesirable", "logp_margin", "kl", "reward_accuracy", "reward_margin")
                 if unpaired else ("preference_accuracy", "logp_margin", "reward_accuracy", "reward_margin"))
     if result.get("rows_without_targets"):
-        lines.append(f"  {result['rows_without_targets']} more left out: data.max_seq_len took their answer")
+        lines.append(f"  {result['rows_without_targets']} more left out: data.max_seq_len cut them")
     lines.append(f"  {'':<20}" + "".join(f"{name:>12}" for name in models))
     for key in keys:
         cells = "".join(f"{_cell(result[name].get(key)):>12}" for name in models)

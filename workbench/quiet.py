@@ -37,10 +37,14 @@ def quiet_warnings() -> None:
 _QUIETED_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub", "DeepSpeed")
 
 
+_imports = threading.RLock()  # catch_warnings saves and restores the process's one list of filters
+
+
 def import_quietly(module: str):
     """Import a module with the libraries' import-time notes silenced for this import only: the warning and
-    logger filters are restored afterwards, so a notebook's own settings stay as they were."""
-    with warnings.catch_warnings(), _harmless_logs_dropped():
+    logger filters are restored afterwards, so a notebook's own settings stay as they were. One import at a
+    time: two threads first touching `workbench.x` at once would each restore the filters the other set."""
+    with _imports, warnings.catch_warnings(), _harmless_logs_dropped():
         quiet_warnings()
         import tqdm.auto  # noqa: F401  (the libraries import it later, and it warns once, on first import)
 

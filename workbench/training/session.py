@@ -162,7 +162,11 @@ class TrainingSession:
         with accelerator.main_process_first():
             self.data = prepare_data(recipe.data, self.tokenizer, seed=cfg.seed,
                                      share_prompts=self.resuming.share_prompts(recipe, self.attention,
-                                                                               self.model_config))
+                                                                               self.model_config),
+                                     whole_only=cfg.scores_sequences)
+        if self.data.stats.get("train_cut") and self.main:
+            accelerator.print(f"warning: {self.data.stats['train_cut']} training pair(s) longer than data.max_seq_len="
+                              f"{recipe.data.max_seq_len} are left out (a reward model scores whole answers)")
         if self.data.stats.get("train_empty") and self.main:
             accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s) lost their whole answer "
                               f"to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
