@@ -64,24 +64,21 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
     cfg = parts[0][1]
 
     training = run.recipe.get("training", {})
-    scores = training.get("objective") == "reward"
-    model, tokenizer = load_for_inference(run.path, generates=not scores)
-    fmt = format_of(cfg.format)
-    if scores and base:
+    reward_model = training.get("objective") == "reward"
+    if reward_model and base:
         raise RecipeError("--base: a reward model's base has no trained score head to score with; evaluate the "
                           "run without --base")
-    if scores:  # a reward model: how often it scores the chosen answer higher
-        result = evaluate_rewards(model, tokenizer, parts, limit, batch_size)
-        result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
-        if save:
-            RunDir(run.path).update_json(evaluation=result)
-        return result
-    if fmt.preference or fmt.unpaired:
-        beta_field = {"dpo": "dpo_beta", "kto": "kto_beta"}.get(training.get("objective"))
-        beta = training.get(beta_field, 0.1) if beta_field else 0.1
-        scores = evaluate_unpaired if fmt.unpaired else evaluate_preferences
-        result = scores(model, tokenizer, parts, run.path, beta, limit, batch_size)
-        result["beta_source"] = f"training.{beta_field}" if beta_field else "default"
+    model, tokenizer = load_for_inference(run.path, generates=not reward_model)
+    fmt = format_of(cfg.format)
+    if reward_model or fmt.preference or fmt.unpaired:
+        if reward_model:  # how often it scores the chosen answer higher
+            result = evaluate_rewards(model, tokenizer, parts, limit, batch_size)
+        else:
+            beta_field = {"dpo": "dpo_beta", "kto": "kto_beta"}.get(training.get("objective"))
+            beta = training.get(beta_field, 0.1) if beta_field else 0.1
+            score_rows = evaluate_unpaired if fmt.unpaired else evaluate_preferences
+            result = score_rows(model, tokenizer, parts, run.path, beta, limit, batch_size)
+            result["beta_source"] = f"training.{beta_field}" if beta_field else "default"
         result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
         if save:
             RunDir(run.path).update_json(evaluation=result)
@@ -100,7 +97,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
         if hasattr(model, "disable_adapter"):  # a PEFT model: the base is the same weights, adapter off
             with model.disable_adapter():
                 base_scores, base_answers = score(model, tokenizer, examples, max_new_tokens, batch_size)
-        else:  # full fine-tuning replaced the weights: load the base itself
+        else:  # full fine-tuning replaced the weights: load the base itself, this model freed first
             del model
             base_model, _ = load_for_inference(run.path, base=True)
             base_scores, base_answers = score(base_model, tokenizer, examples, max_new_tokens, batch_size)
@@ -281,13 +278,7 @@ def evaluate_preferences(model, tokenizer, parts: list[tuple[Rows, DataSection]]
                         "answer to data.max_seq_len)")
     device = str(next(model.parameters()).device)
     tuned = pair_logps(model, tokenizer, pairs, batch_size)
-    if hasattr(model, "disable_adapter"):  # the base is the same weights, adapter off
-        with model.disable_adapter():
-            base = pair_logps(model, tokenizer, pairs, batch_size)
-    else:  # full fine-tuning replaced the weights
-        del model
-        base_model, _ = load_for_inference(run_path, base=True)
-        base = pair_logps(base_model, tokenizer, pairs, batch_size)
+    base = on_base(model, run_path, lambda m: pair_logps(m, tokenizer, pairs, batch_size))
     rewards = beta * ((tuned[0] - base[0]) - (tuned[1] - base[1]))
     return {"format": parts[0][1].format, "rows": len(pairs), "rows_without_targets": without_targets, "limit": limit,
             "beta": beta,
@@ -361,13 +352,7 @@ def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], r
                         "answer to data.max_seq_len)")
     device = str(next(model.parameters()).device)
     tuned = pair_logps(model, tokenizer, examples, batch_size)  # (answers, mismatched answers)
-    if hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
-            base = pair_logps(model, tokenizer, examples, batch_size)
-    else:
-        del model
-        base_model, _ = load_for_inference(run_path, base=True)
-        base = pair_logps(base_model, tokenizer, examples, batch_size)
+    base = on_base(model, run_path, lambda m: pair_logps(m, tokenizer, examples, batch_size))
     desirable = torch.tensor([e["desirable"][0] for e in examples])
     rewards = beta * (tuned[0] - base[0])
     kl = float((tuned[1] - base[1]).mean().clamp(min=0))
@@ -390,6 +375,15 @@ def _unpaired_scores(logps: torch.Tensor, desirable: torch.Tensor) -> dict:
     if desirable.any() and (~desirable).any():
         scores["logp_margin"] = round(scores["logps_desirable"] - scores["logps_undesirable"], 4)
     return scores
+
+
+def on_base(model, run_path, measure):
+    """`measure` of the run's base model: a PEFT model with its adapter switched off (the same weights), or, where
+    full fine-tuning replaced the weights, the base loaded itself."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            return measure(model)
+    return measure(load_for_inference(run_path, base=True)[0])
 
 
 @torch.no_grad()

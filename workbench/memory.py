@@ -343,21 +343,18 @@ def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
     """Frozen (or, for full fine-tuning, trained) base weights as they sit in memory. A reward model loads without
     the LM head's own matrix (its score head, hidden x 1, is counted with the trainable weights)."""
-    if recipe.training.scores_sequences and not info.tied_embeddings:
-        head = next((lin for lin in info.linears if lin.name == info.head), None)
-        if head is not None:
-            unloaded = head.in_features * head.out_features
-            dtype = recipe.model.dtype if recipe.adapter.method != "qlora" else vocabulary_dtype(recipe, info)
-            whole = weight_bytes(recipe.override("training.objective=orpo"), info)  # the same, with its head
-            return int(whole - unloaded * DTYPE_BYTES[dtype])
+    head = next((lin for lin in info.linears if lin.name == info.head), None)
+    unloaded = (head.in_features * head.out_features if recipe.training.scores_sequences and head is not None
+                and not info.tied_embeddings else 0)
     if recipe.adapter.method != "qlora":
-        return info.params * DTYPE_BYTES[recipe.model.dtype]
+        return (info.params - unloaded) * DTYPE_BYTES[recipe.model.dtype]
     quantized = sum(lin.in_features * lin.out_features for lin in info.linears if lin.name != info.head)
     # the rest (embeddings, head, norms) in the model dtype, or float32 with quantization.upcast_frozen;
     # the vocabulary 16-bit as published where the model computes in float32 (precision.vocabulary_dtype_of)
     vocabulary = vocabulary_params(info)
     return int(_quantized_bytes(quantized, recipe) + DTYPE_BYTES[frozen_dtype_of(recipe)] *
-               (info.params - quantized - vocabulary) + DTYPE_BYTES[vocabulary_dtype(recipe, info)] * vocabulary)
+               (info.params - quantized - vocabulary) + DTYPE_BYTES[vocabulary_dtype(recipe, info)] *
+               (vocabulary - unloaded))
 
 
 def vocabulary_params(info: ModelInfo) -> int:
