@@ -88,6 +88,13 @@ JOBS = {
     "gpu-1b": dict(model="bench:llama3-1b", train_rows=1500, eval_rows=16, max_seq_len=2048, batch=32, packs=2,
                    lr=2e-4),
     "quick": dict(model="builtin-quick", train_rows=48, eval_rows=8, max_seq_len=256, batch=4, packs=1, lr=1e-3),
+    # shapes held out from tuning: many short alpaca-style rows (~10 per packed 256-token row), single samples
+    # near max_seq_len (packing gains nothing), and a wide shallow model (large matmuls, little else)
+    "short": dict(model="small-256", rows="short", train_rows=2000, eval_rows=64, max_seq_len=256, batch=8,
+                  packs=1, lr=1e-3),
+    "long": dict(model="small-256", rows="long", train_rows=96, eval_rows=16, max_seq_len=512, batch=4, packs=4,
+                 lr=1e-3),
+    "wide": dict(model="wide-1024", train_rows=160, eval_rows=32, max_seq_len=512, batch=8, packs=2, lr=5e-4),
 }
 # the DPO job (--objective dpo): preference pairs; batch = pairs per optimizer step for both tools; beta is DPO's
 DPO_JOBS = {
@@ -103,7 +110,8 @@ DPO_JOBS = {
 }
 LORA = dict(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
 DPO_LORA_DROPOUT = 0.0  # TRL's DPO switches dropout off (disable_dropout=True): both tools run without it
-TOOL_NAMES = ("workbench", "workbench-baseline", "trl", "plain")  # baseline: training.fast_paths=false
+# baseline: training.fast_paths=false; trl-unpacked: TRL's SFTTrainer on padded batches of --batch samples
+TOOL_NAMES = ("workbench", "workbench-baseline", "trl", "trl-unpacked", "plain")
 DPO_TOOL_NAMES = ("workbench", "workbench-baseline", "trl")  # the plain loop is an SFT loop
 
 
@@ -132,14 +140,16 @@ def job_spec(args, work: Path) -> dict:
     for key in ("train_rows", "eval_rows", "max_seq_len", "batch", "packs", "lr", "beta"):
         if getattr(args, key, None) is not None:
             job[key] = getattr(args, key)
-    write = write_preference_data if dpo else write_data
-    train, evaluation = write(work / "data", job["train_rows"], job["eval_rows"])
+    if dpo:
+        train, evaluation = write_preference_data(work / "data", job["train_rows"], job["eval_rows"])
+    else:
+        train, evaluation = write_data(work / "data", job["train_rows"], job["eval_rows"], job.get("rows", "mixed"))
     lora = {**LORA, "dropout": DPO_LORA_DROPOUT} if dpo else LORA
     spec = {**lora, "model": resolve_model(job["model"]), "model_name": job["model"], "train": str(train),
             "eval": str(evaluation), "max_seq_len": job["max_seq_len"], "batch": job["batch"],
             "packs_per_step": job["packs"], "lr": job["lr"], "warmup_ratio": 0.05, "seed": 42,
             "threads": args.threads, "train_rows": job["train_rows"], "eval_rows": job["eval_rows"],
-            "device": device(), **job_precision(args.threads)}
+            "device": device(), **job_precision(args.threads, args.precision)}
     if args.wb:
         spec["workbench_training"] = dict(_parse_override(o) for o in args.wb)
     spec["trl"] = {"gradient_checkpointing": args.trl_checkpointing, "train_sampling_strategy": args.trl_sampling,
@@ -161,15 +171,17 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def job_precision(threads: int) -> dict:
-    """What the workbench's `auto` precision resolves to here: every tool then runs that precision."""
+def job_precision(threads: int, precision: str = "auto") -> dict:
+    """What the workbench's `auto` precision resolves to here (or the one asked for): every tool runs it."""
     import torch
     from workbench import Recipe
     from workbench.hardware.current import local_kind
     from workbench.precision import resolve
 
     torch.set_num_threads(threads)
-    precision = resolve(Recipe(), local_kind())
+    asked = {"auto": [], "fp32": ["model.dtype=float32", "training.mixed_precision=no"],
+             "bf16": ["model.dtype=bfloat16", "training.mixed_precision=bf16"]}[precision]
+    precision = resolve(Recipe().override(*asked), local_kind())
     return {"model_dtype": precision.model_dtype, "mixed_precision": precision.mixed_precision,
             "precision_reason": precision.reason}
 
@@ -279,8 +291,13 @@ def summarise(runs: list[dict], peaks: dict) -> dict:
             "tokens": runs[0]["tokens"], "steps": runs[0]["steps"],
             "tokens_per_s": runs[0]["tokens"] / loop_s, "peak_rss_mb": med("peak_rss_mb"),
             "eval_loss": med("eval_loss"), "flops": flops, "startup_s": runs[0].get("startup_s"),
-            "finish_s": runs[0].get("finish_s"),
+            "finish_s": runs[0].get("finish_s"), "floor_mb": _median_of(runs, "floor_mb"),
             "mfu_bf16": flops / loop_s / peaks["bf16"], "mfu_fp32": flops / loop_s / peaks["fp32"]}
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> None:
@@ -310,6 +327,7 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
         if "error" not in r:
             print(f"  {r['tool']}: {r['settings']}; job s per repeat {r['job_s_all']}{others(r)}")
     print_outside(rows)
+    print_floors(rows)
     print_ratios(rows)
 
 
@@ -326,6 +344,14 @@ def print_outside(rows: list[dict]) -> None:
             inside = f" (train() before its first step {r['startup_s']:.1f} s, after its last {r['finish_s']:.1f} s)" \
                 if r.get("startup_s") is not None else ""
             print(f"  outside the loop, {r['tool']}: {r['process_s'] - r['loop_s']:.1f} s of {r['process_s']:.1f} s{inside}")
+
+
+def print_floors(rows: list[dict]) -> None:
+    """What each tool held when its training loop began: the memory a short job pays whatever its steps do."""
+    floors = [f"{r['tool']} {r['floor_mb']:.0f} of {r['peak_rss_mb']:.0f} MB" for r in rows
+              if "error" not in r and r.get("floor_mb")]
+    if floors:
+        print(f"  peak memory when the loop began, of the job's peak: {'; '.join(floors)}")
 
 
 def print_dpo_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> None:
@@ -368,7 +394,8 @@ def print_dpo_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str])
 
 def print_ratios(rows: list[dict], dpo: bool = False) -> None:
     by_tool = {r["tool"]: r for r in rows if "error" not in r}
-    pairs = [(a, b) for a in ("workbench", "workbench-baseline") for b in ("trl", "plain") if a in by_tool and b in by_tool]
+    pairs = [(a, b) for a in ("workbench", "workbench-baseline") for b in ("trl", "trl-unpacked", "plain")
+             if a in by_tool and b in by_tool]
     for name, peer in pairs:
         ours, other = by_tool[name], by_tool[peer]
         loss = 100 * (ours["eval_loss"] / other["eval_loss"] - 1)
@@ -389,7 +416,7 @@ def print_ratios(rows: list[dict], dpo: bool = False) -> None:
               f"{'met' if memory_ratio <= 1 else 'NOT met'}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", choices=[j for j in JOBS if j != "quick"], default="builtin-512")
     parser.add_argument("--quick", action="store_true", help="a tiny model and a few rows: a smoke run")
@@ -399,6 +426,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tools", help="comma-separated, from workbench,workbench-baseline,trl,plain (default: "
                         "workbench,trl,plain)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="every tool's precision: auto = what the workbench's auto resolves to on this CPU")
+    parser.add_argument("--shapes", help="comma-separated jobs (e.g. short,long,wide) run one after another at every "
+                        "--precisions, then one table of ratios; adds trl-unpacked to the default tools")
+    parser.add_argument("--precisions", default="fp32,bf16", help="with --shapes: comma-separated, from auto,fp32,bf16")
     parser.add_argument("--train-rows", dest="train_rows", type=int)
     parser.add_argument("--eval-rows", dest="eval_rows", type=int)
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int)
@@ -425,6 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also write the per-run and summary rows to this JSON file")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier --out file again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
         return child(Path(args.child))
@@ -432,10 +469,24 @@ def main(argv: list[str] | None = None) -> None:
         return reprint(Path(args.table))
 
     known = DPO_TOOL_NAMES if args.objective == "dpo" else TOOL_NAMES
-    tools = args.tools.split(",") if args.tools else [t for t in known if t != "workbench-baseline"]
+    default = [t for t in known if t != "workbench-baseline" and (t != "trl-unpacked" or args.shapes)]
+    tools = args.tools.split(",") if args.tools else default
     unknown = [t for t in tools if t not in known]
     if unknown:
         parser.error(f"unknown tool(s) {unknown} for --objective {args.objective}; known: {', '.join(known)}")
+    if args.shapes:
+        return run_shapes(args, tools, parser)
+    spec, rows, peaks, loads, runs = run_job(args, tools)
+    print_table(spec, rows, peaks, loads)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"spec": spec, "peaks": peaks, "load_average": loads, "summary": rows,
+                                              "runs": runs}, indent=2))
+    report_failures(rows)
+
+
+def run_job(args, tools: list[str]) -> tuple[dict, list[dict], dict, list[str], dict]:
+    """One job, every tool in a process of its own, interleaved over the repeats: (spec, summary rows, the
+    machine's matmul peaks, load averages, every run)."""
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = Path(tmp)
         spec = job_spec(args, work)
@@ -445,18 +496,18 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats):
             for tool in tools:  # interleaved: A B C A B C
                 quiet = f", machine {wait_for_quiet(args.wait_quiet)}" if args.wait_quiet else ""
-                print(f"repeat {repeat + 1}/{args.repeats}: {tool} ... (load {load_average()}{quiet})",
-                      file=sys.stderr, flush=True)
+                print(f"{args.job} {args.precision}, repeat {repeat + 1}/{args.repeats}: {tool} ... "
+                      f"(load {load_average()}{quiet})", file=sys.stderr, flush=True)
                 runs[tool].append(run_child(spec, tool, work, repeat))
         loads.append(load_average())
     rows = []
     for tool in tools:
         failed = [r for r in runs[tool] if "error" in r]
         rows.append(failed[0] if failed else summarise(runs[tool], peaks))
-    print_table(spec, rows, peaks, loads)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"spec": spec, "peaks": peaks, "load_average": loads, "summary": rows,
-                                              "runs": runs}, indent=2))
+    return spec, rows, peaks, loads, runs
+
+
+def report_failures(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
             print(f"\n{r['tool']} failed:\n{r['stderr']}", file=sys.stderr)
@@ -464,8 +515,80 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
+def run_shapes(args, tools: list[str], parser) -> None:
+    """Every job shape in --shapes at every precision in --precisions, each a job of its own (tools interleaved),
+    then one table of the workbench's time and memory against each peer's."""
+    if args.objective != "sft":
+        parser.error("--shapes compares SFT jobs")
+    shapes, precisions = args.shapes.split(","), args.precisions.split(",")
+    wrong = [x for x in shapes if x not in JOBS] + [x for x in precisions if x not in ("auto", "fp32", "bf16")]
+    if wrong:
+        parser.error(f"unknown shape or precision {wrong}: shapes {', '.join(JOBS)}; precisions auto, fp32, bf16")
+    if "bf16" in precisions and not _native_bf16():
+        print("note: this CPU has no native bf16 matmul: every tool's bf16 job is many times slower than its float32 "
+              "one (the workbench's auto precision would not choose it)", file=sys.stderr)
+    jobs = []
+    for shape in shapes:
+        for precision in precisions:
+            job_args = argparse.Namespace(**{**vars(args), "job": shape, "precision": precision, "quick": False})
+            spec, rows, peaks, loads, runs = run_job(job_args, tools)
+            print_table(spec, rows, peaks, loads)
+            jobs.append({"shape": shape, "precision": precision, "spec": spec, "summary": rows, "runs": runs,
+                         "peaks": peaks, "load_average": loads})
+            if args.out:  # after every job: a long sweep stopped halfway keeps what it measured
+                Path(args.out).write_text(json.dumps({"jobs": jobs}, indent=2))
+    print_shapes_table(jobs)
+    report_failures([r for job in jobs for r in job["summary"]])
+
+
+def _native_bf16() -> bool:
+    from workbench.precision import cpu_half
+
+    return cpu_half().half is not None
+
+
+def print_shapes_table(jobs: list[dict]) -> None:
+    """One row per (shape, precision): each tool's process seconds, and the workbench's process time, job time and
+    peak memory as ratios to each peer's. The goal: at most 0.5x the time of TRL's faster setup (packed or not), the
+    process as a user waits for it, at most 1.0x its peak memory."""
+    peers = [t for t in ("trl", "trl-unpacked", "plain") if any(t in _by_tool(j) for j in jobs)]
+    print("\nall shapes: process seconds (spawn to adapter saved); workbench / peer as process time, job time (after "
+          "imports: load, prepare, one epoch, save) and peak memory")
+    print(f"{'shape':7} {'precision':9} {'wb s':>6} " + " ".join(f"{p + ' s':>15}" for p in peers) + " "
+          + " ".join(f"{'wb/' + p + ' proc job peak':>29}" for p in peers) + "  goal (<= 0.5x time, <= 1x peak)")
+    for job in jobs:
+        tools = _by_tool(job)
+        ours = tools.get("workbench")
+        line = f"{job['shape']:7} {job['spec']['model_dtype'][:9]:9} "
+        line += f"{ours['process_s']:>6.1f} " if ours else f"{'failed':>6} "
+        line += " ".join(f"{tools[p]['process_s']:>15.1f}" if p in tools else f"{'-':>15}" for p in peers) + " "
+        line += " ".join(f"{_ratio(ours, tools[p], 'process_s')} {_ratio(ours, tools[p], 'job_s')} "
+                         f"{_ratio(ours, tools[p], 'peak_rss_mb')}" if ours and p in tools else f"{'-':>29}"
+                         for p in peers)
+        trls = [tools[p] for p in ("trl", "trl-unpacked") if p in tools]
+        if ours and trls:
+            fastest = min(trls, key=lambda r: r["process_s"])
+            time_ratio = ours["process_s"] / fastest["process_s"]
+            memory_ratio = ours["peak_rss_mb"] / fastest["peak_rss_mb"]
+            met = time_ratio <= 0.5 and memory_ratio <= 1.0
+            line += f"  {'met' if met else 'NOT met'} vs {fastest['tool']}"
+        print(line)
+
+
+def _ratio(ours: dict, peer: dict, key: str) -> str:
+    return f"{ours[key] / peer[key]:>8.2f}x"
+
+
+def _by_tool(job: dict) -> dict:
+    return {r["tool"]: r for r in job["summary"] if "error" not in r}
+
+
 def reprint(path: Path) -> None:
     saved = json.loads(path.read_text())
+    if "jobs" in saved:  # a --shapes sweep
+        for job in saved["jobs"]:
+            print_table(job["spec"], job["summary"], job["peaks"], job["load_average"])
+        return print_shapes_table(saved["jobs"])
     rows = [summarise(runs, saved["peaks"]) for runs in saved["runs"].values() if all("error" not in r for r in runs)]
     print_table(saved["spec"], rows, saved["peaks"], saved["load_average"])
 

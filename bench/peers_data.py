@@ -108,9 +108,47 @@ def make_row(rng: random.Random) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
-def make_rows(count: int, seed: int) -> list[dict]:
+SHORT_TASKS = [("Rewrite this sentence in the past tense.", lambda rng: sentence(rng, rng.choice(THINGS))),
+               ("Name the animal in this sentence.", lambda rng: f"{rng.choice(NAMES)} saw a {rng.choice(ANIMALS)} "
+                                                                 f"near {rng.choice(PLACES)}."),
+               ("Give the capital city.", lambda rng: rng.choice(list(FACTS)))]
+
+
+def short_row(rng: random.Random) -> dict:
+    """An alpaca-style row (instruction, optional input, one-line output), well under 100 tokens."""
+    kind = rng.random()
+    if kind < 0.4:
+        question, answer = arithmetic(rng)
+    elif kind < 0.6:
+        question, answer = capital(rng)
+    else:
+        instruction, make_input = rng.choice(SHORT_TASKS)
+        given = make_input(rng)
+        question = f"{instruction}\n\n{given}"
+        if instruction.startswith("Rewrite"):
+            answer = given.replace(" turns ", " turned ").replace(" stores ", " stored ").replace(" moves ", " moved ")
+        elif instruction.startswith("Name"):
+            answer = next(a for a in ANIMALS if a in given).capitalize() + "."
+        else:
+            answer = f"{FACTS[given]}."
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def long_row(rng: random.Random) -> dict:
+    """A single long sample: a story or an explanation of ~500-700 tokens (truncated at a 512-token max_seq_len)."""
+    if rng.random() < 0.5:
+        question, answer = story(rng, rng.randint(14, 20))
+    else:
+        question, answer = explanation(rng, rng.randint(5, 7))
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+ROW_KINDS = {"mixed": make_row, "short": short_row, "long": long_row}
+
+
+def make_rows(count: int, seed: int, kind: str = "mixed") -> list[dict]:
     rng = random.Random(seed)
-    return [make_row(rng) for _ in range(count)]
+    return [ROW_KINDS[kind](rng) for _ in range(count)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -120,11 +158,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def write_data(folder: Path, train_rows: int, eval_rows: int) -> tuple[Path, Path]:
+def write_data(folder: Path, train_rows: int, eval_rows: int, kind: str = "mixed") -> tuple[Path, Path]:
     """train.jsonl and eval.jsonl in `folder`; eval rows come from another seed (held out, same mix)."""
     folder.mkdir(parents=True, exist_ok=True)
-    return (write_jsonl(folder / "train.jsonl", make_rows(train_rows, seed=1)),
-            write_jsonl(folder / "eval.jsonl", make_rows(eval_rows, seed=2)))
+    return (write_jsonl(folder / "train.jsonl", make_rows(train_rows, seed=1, kind=kind)),
+            write_jsonl(folder / "eval.jsonl", make_rows(eval_rows, seed=2, kind=kind)))
 
 
 
@@ -221,6 +259,8 @@ MODEL_SIZES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab)
     "builtin-512": (512, 1536, 8, 8, 4, 8192),
     "builtin-quick": (128, 384, 2, 4, 2, 2048),
+    "small-256": (256, 768, 4, 4, 2, 4096),  # a small model: per-step overheads weigh most
+    "wide-1024": (1024, 2816, 2, 16, 8, 8192),  # few wide layers: large matmuls, little else
 }
 MODEL_VERSION = "v1"
 

@@ -200,6 +200,7 @@ def run_workbench(spec: dict) -> dict:
                     lengths, settings)
     report["own_mfu"] = summary["mfu"]
     report["startup_s"], report["finish_s"] = summary.get("startup_s"), summary.get("finish_s")
+    report["floor_mb"] = summary.get("startup_peak_memory_mb")
     return report
 
 
@@ -217,6 +218,8 @@ def run_trl(spec: dict) -> dict:
     train = datasets.Dataset.from_list([prompt_completion(r) for r in read_rows(spec["train"])])
     trl_opts = {"gradient_checkpointing": False, "train_sampling_strategy": "random", "packing": False,
                 **spec.get("trl", {})}
+    if spec["tool"] == "trl-unpacked":
+        trl_opts["packing"] = False
     # packed, a sequence holds several samples: as many sequences per step as the other packing tool
     batch = spec["packs_per_step"] if trl_opts["packing"] else spec["batch"]
     args = SFTConfig(
@@ -226,15 +229,29 @@ def run_trl(spec: dict) -> dict:
         bf16=spec["mixed_precision"] == "bf16", use_cpu=spec.get("device", "cpu") == "cpu", logging_steps=10, save_strategy="no", eval_strategy="no",
         report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0, **trl_opts,
     )
+    floor = FloorAtTrainBegin(spec)
     trainer = SFTTrainer(model=load_model(spec), args=args, train_dataset=train, processing_class=tokenizer,
-                         peft_config=lora_config(spec))
+                         peft_config=lora_config(spec), callbacks=[floor])
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     output = trainer.train()
     trainer.save_model()
     clock = stop_clock(started, spec)
     settings = SETTINGS["trl"].format(**trl_opts, batch=batch)
-    return finish(spec, "trl", clock, output.metrics["train_runtime"], sum(lengths), output.global_step,
-                  trainer.model, lengths, settings)
+    return {**finish(spec, spec["tool"], clock, output.metrics["train_runtime"], sum(lengths), output.global_step,
+                     trainer.model, lengths, settings), "floor_mb": floor.mb}
+
+
+def FloorAtTrainBegin(spec: dict):
+    """A trainer callback that reads the peak memory as the training loop begins (model, data, optimizer in place)."""
+    from transformers import TrainerCallback
+
+    class Floor(TrainerCallback):
+        mb = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.mb = round(peak_memory(spec), 1)
+
+    return Floor()
 
 
 # -- (c) a plain PyTorch + peft loop ----------------------------------------------------------------
@@ -299,6 +316,7 @@ def run_plain(spec: dict) -> dict:
     steps = math.ceil(len(packs) / size)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(spec["warmup_ratio"] * steps), steps)
     model.train()
+    floor = round(peak_memory(spec), 1)
     loop_start = time.perf_counter()
     for step in range(steps):
         batch = {k: v.to(model.device, non_blocking=True)
@@ -318,7 +336,7 @@ def run_plain(spec: dict) -> dict:
     clock = stop_clock(started, spec)
     lengths = [len(s["input_ids"]) for s in samples]
     settings = SETTINGS["plain"].format(packs=size)
-    return finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings)
+    return {**finish(spec, "plain", clock, loop_s, sum(lengths), steps, model, lengths, settings), "floor_mb": floor}
 
 
 
@@ -446,6 +464,7 @@ def run_workbench_dpo(spec: dict) -> dict:
                         model, lengths, settings, step_losses, computed=computed)
     report["own_mfu"] = summary["mfu"]
     report["startup_s"], report["finish_s"] = summary.get("startup_s"), summary.get("finish_s")
+    report["floor_mb"] = summary.get("startup_peak_memory_mb")
     return report
 
 
@@ -492,7 +511,8 @@ def run_trl_dpo(spec: dict) -> dict:
                       len(data), trainer.model, lengths, settings, step_losses,
                       reference_in_loop=not opts["precompute_ref_log_probs"])
 
-TOOLS = {"workbench": run_workbench, "workbench-baseline": run_workbench, "trl": run_trl, "plain": run_plain}
+TOOLS = {"workbench": run_workbench, "workbench-baseline": run_workbench, "trl": run_trl, "trl-unpacked": run_trl,
+         "plain": run_plain}
 
 
 def run_tool(spec: dict) -> dict:

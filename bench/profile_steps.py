@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="builtin:tiny on the CPU")
     parser.add_argument("--dpo", action="store_true",
                         help="on the CPU: bench/peers.py's smollm2 DPO job (4 pairs a step, one per forward)")
+    parser.add_argument("--job", help="on the CPU: the workbench's run of a bench/peers.py job (short, long, wide, "
+                        "...), its model, data and settings, one thread")
     parser.add_argument("--steps", type=int, default=None, help="steps to profile (default 8 on a GPU, 4 on a CPU)")
     parser.add_argument("--out", default="profile_steps.txt", help="the tables go here")
     args, overrides = parser.parse_known_args(argv)
@@ -38,9 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     from peers_data import write_data
     from workbench import Recipe, train
 
-    gpu = torch.cuda.is_available() and not (args.cpu or args.dpo)
+    gpu = torch.cuda.is_available() and not (args.cpu or args.dpo or args.job)
     out = Path(args.out)
-    if args.dpo:
+    if args.job:
+        import peers
+        from peers_tools import workbench_recipe
+
+        steps = args.steps or 40
+        spec = peers.job_spec(peers.build_parser().parse_args(["--job", args.job, "--threads", "1"]),
+                              out.parent / "profile_job")
+        model, seq = spec["model_name"], spec["max_seq_len"]
+        recipe = workbench_recipe({**spec, "tool": "workbench", "out": str(out.parent / "profile_runs")}).override(
+            f"training.max_steps={steps}", "output.log_every=1", *overrides)
+        torch.set_num_threads(1)
+    elif args.dpo:
         from peers_data import write_preference_data
 
         model, seq, steps = "builtin:smollm2-135m", 512, args.steps or 2
@@ -73,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     device_key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
     averages = prof.key_averages()
-    batch = "4 pairs a step" if args.dpo else f"{seq} tokens x 2"
+    batch = ("4 pairs a step" if args.dpo else f"the {args.job} job: {seq} tokens x {recipe.training.micro_batch_size}"
+             if args.job else f"{seq} tokens x 2")
     text = [f"{steps} steps of {model} ({batch}) in {wall:.1f} s under the profiler; "
             f"{result.summary.get('tokens_per_s')} tokens/s",
             "", "by device time:", averages.table(sort_by=device_key, row_limit=25, max_name_column_width=60),

@@ -11,18 +11,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_peers_benchmark_runs(tmp_path):
+def test_peers_benchmark_runs_a_sweep_of_shapes_into_one_table(tmp_path):
+    """A --shapes sweep (here the short-sample shape, few rows, float32): every tool, TRL packed and unpacked, one
+    table of ratios with the goal judged against TRL's faster setup."""
     pytest.importorskip("trl")  # a development dependency: the peer it compares with
     out = tmp_path / "peers.json"
-    done = subprocess.run([sys.executable, "bench/peers.py", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "bench/peers.py", "--shapes", "short", "--precisions", "fp32",
+                           "--train-rows", "24", "--eval-rows", "4", "--threads", "1", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    table = {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
-    assert {"workbench", "trl", "plain"} <= table
     assert "workbench/trl:" in done.stdout and "workbench/plain:" in done.stdout
-    rows = {r["tool"]: r for r in json.loads(out.read_text())["summary"]}
-    assert set(rows) == {"workbench", "trl", "plain"}
+    sweep = done.stdout.split("all shapes:")[1].splitlines()
+    row = next(line for line in sweep if line.startswith("short "))
+    assert row.split()[1] == "float32" and (" met vs trl" in row or "NOT met vs trl" in row)
+    (job,) = json.loads(out.read_text())["jobs"]
+    assert job["shape"] == "short" and job["spec"]["model_dtype"] == "float32"
+    rows = {r["tool"]: r for r in job["summary"]}
+    assert set(rows) == {"workbench", "trl", "trl-unpacked", "plain"}
     assert all(r["tokens"] > 0 and r["eval_loss"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
+    # the same rows for every tool: short samples, packed ~10 to a row by the packing tools
+    assert len({r["tokens"] for r in rows.values()}) == 1 and rows["workbench"]["tokens"] / 24 < 100
+    assert rows["trl-unpacked"]["steps"] == 24 // 8 and rows["workbench"]["steps"] <= 24 // 4  # 4+ samples a row
+
+
+def test_the_held_out_shapes_have_the_lengths_they_are_named_for():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from peers_data import make_rows
+
+    def characters(row):
+        return sum(len(m["content"]) for m in row["messages"])
+
+    short, long = make_rows(200, seed=3, kind="short"), make_rows(40, seed=3, kind="long")
+    assert max(map(characters, short)) < 300  # well under 100 tokens each
+    assert min(map(characters, long)) > 1500  # near or past a 512-token max_seq_len once templated
+    assert make_rows(5, seed=3, kind="short") == short[:5]  # deterministic
 
 
 @pytest.mark.slow

@@ -88,6 +88,21 @@ def test_the_probe_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert "cached" in cpu_half().reason
 
 
+def test_the_mfu_peak_is_probed_at_length_once_then_briefly_and_only_ever_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path))
+    timed = []
+
+    def rate(device_type, dtype, size, seconds, repeats=1):
+        timed.append(seconds)
+        return {1: 100.0, 2: 80.0, 3: 120.0}[len(timed)]
+
+    monkeypatch.setattr(probes, "matmul_rate", rate)
+    # the first run of this key times half a second; later ones a tenth, and a low reading never lowers the peak
+    assert [probes.matmul_peak("cpu", "float32", 1) for _ in range(3)] == [100.0, 100.0, 120.0]
+    assert timed == [0.5, 0.1, 0.1]
+    assert list(json.loads((tmp_path / "estimator" / "matmul_peak.json").read_text()).values()) == [120.0]
+
+
 def test_the_estimator_resolves_auto_for_the_device_it_plans_for(slow_bf16):
     recipe = Recipe.load("recipes/tiny.yaml")
     assert estimate(recipe, device="h100").device["precision"]["mixed_precision"] == "bf16"

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from workbench import Recipe, RecipeError, WorkbenchError
+from workbench import Recipe, RecipeError, WorkbenchError, preview_data
 from workbench.runs import RunDir
 
 PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
@@ -25,6 +25,8 @@ REFUSED = [
      "data.train_on: preference rows are scored on their answers"),
     (["training.objective=reward", "data.format=preference", "training.reward_center_coefficient=-1"],
      "training.reward_center_coefficient"),
+    (["training.objective=reward", "data.format=preference", "adapter.modules_to_save=[lm_head]"],
+     "adapter.modules_to_save: lm_head: a reward model loads no language-model head"),
 ]
 
 
@@ -202,3 +204,18 @@ def test_a_resumed_reward_run_equals_an_uninterrupted_one(tmp_path):
     keys = ("loss", "reward_margin", "reward_accuracy")
     assert [r[k] for r in rows_of(resumed.run_dir) if "loss" in r for k in keys] == pytest.approx(
         [r[k] for r in rows_of(whole.run_dir) if "loss" in r for k in keys], rel=1e-5, abs=1e-7)
+
+
+def test_the_data_preview_shows_what_a_reward_model_scores():
+    """`workbench data` on a reward recipe: each sequence scored at its last token (the rest is context), pairs that
+    truncation cut left out and counted, as training does (not the whole answers an SFT or DPO run trains on)."""
+    preview = preview_data(Recipe.load("recipes/tiny-reward.yaml").override("data.max_seq_len=40"), rows=20)
+    samples = [sample for _, pair in preview.rows for sample in pair]
+    whole = [s for s in samples if not s.truncated]
+    assert whole and all(s.targets == 1 and [t for _, t in s.spans] == [False, True] for s in whole)
+    assert all(len(s.spans[-1][0]) <= 2 for s in whole)  # one token (a newline or the end token), not the answer
+    cut = [s for s in samples if s.truncated]
+    assert cut and all(s.left_out and s.targets == 0 for s in cut)
+    stats = preview.stats
+    assert stats["train_cut"] > 0 and stats["target_tokens"] == 2 * stats["examples"]
+    assert "scored (the last token of each sequence" in preview.summary_lines()[0]

@@ -32,6 +32,8 @@ def test_tiny_run_learns_and_writes_its_run_directory(tiny_recipe):
                 "final_loss", "eval_loss_first", "eval_loss_final", "peak_memory_mb_per_rank"):
         assert s[key] is not None, key
     assert 0 < s["mfu"] < 1 and s["tokens_per_s"] > 0 and s["world_size"] == 1 and s["strategy"] == "single"
+    # what was resident before the first step (the floor a short job pays in full) is part of the peak
+    assert 0 < s["startup_peak_memory_mb"] <= s["peak_memory_mb"] and s["startup_s"] < s["wall_s"]
     # tokens counted are the real (unpadded) tokens of every step
     assert s["tokens"] == result.metrics["tokens"].dropna().iloc[-1] and s["tokens"] >= s["train_tokens"] * 2 * 0.9
     on_disk = json.loads((run_dir / "run.json").read_text())

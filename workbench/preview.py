@@ -11,7 +11,7 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row
+from .data import IGNORE, check_trainable, drop_cut, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row
 from .errors import RecipeError
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
@@ -65,13 +65,15 @@ class DataPreview:
 
     def summary_lines(self) -> list[str]:
         s = self.stats
-        lines = [f"{self.source}: {s['rows']} rows ({self.format}), {s['tokens']:,} tokens, "
-                 f"{s['target_tokens']:,} of them trained ({s['target_fraction']:.0%})",
+        trained = (f"{s['target_tokens']:,} of them scored ({s['scored']}: a reward model)" if s.get("scored")
+                   else f"{s['target_tokens']:,} of them trained ({s['target_fraction']:.0%})")
+        lines = [f"{self.source}: {s['rows']} rows ({self.format}), {s['tokens']:,} tokens, {trained}",
                  f"tokens per sequence: median {s['median_length']}, max {s['max_length']} "
                  f"(max_seq_len {self.max_seq_len})",
                  f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows left out of "
                  f"training (truncation took their answer{' or made the pair equal' if s.get('pairs') else ''}"
-                 f"): {s['lost_answer']}"]
+                 f"): {s['lost_answer']}" + (f", pairs cut by truncation (a reward model scores whole answers): "
+                                              f"{s['train_cut']}" if s.get("scored") else "")]
         for part in s.get("mix", []):
             lines.append(f"  {part['path']} ({part['format']}): {part['rows']} rows, weight {part['weight']:g} -> "
                          f"{part['samples']} samples ({part['samples'] / max(s['rows'], 1):.0%} of the mix)")
@@ -154,6 +156,7 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
         recipe = Recipe.load(recipe)
     cfg = recipe.data
     fmt = format_of(cfg.format)
+    scores = recipe.training.scores_sequences  # a reward model reads one position per sequence, not its answer
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     data = tokenize_data(cfg, tokenizer, seed=recipe.training.seed)  # the split training makes
     check_trainable(data.train, cfg)  # what training refuses, the preview refuses
@@ -161,9 +164,16 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     for source in data.sources:  # the first rows of each source, each rendered with its own format
         for i in range(min(rows, len(source.rows.dataset), cfg.limit if cfg.limit is not None else rows)):
             where = source.rows.where(i)
-            shown.append((where, _samples(source.rows.dataset[i], tokenizer, source.cfg, where)))
+            shown.append((where, _samples(source.rows.dataset[i], tokenizer, source.cfg, where, scores)))
     lengths = _sequence_lengths(data.train, fmt.sequences_per_example > 1)
     stats = _stats(data.train, lengths, cfg, fmt)
+    if scores:  # what a reward model trains on: whole pairs only (data.prepare_data's whole_only), one score each
+        kept, cut = drop_cut(drop_empty(data.train))
+        scored = _sequence_lengths(kept, True)
+        packing = {k: v for k, v in _stats(kept, scored, cfg, fmt).items()
+                   if k in ("examples", "packed_rows", "row_len", "packing_efficiency")}
+        stats.update(packing, train_cut=cut, target_tokens=len(scored),
+                     target_fraction=len(scored) / max(sum(lengths), 1), scored="the last token of each sequence")
     if len(data.sources) > 1:
         stats["mix"] = data.mix
     if data.eval is not None:
@@ -185,7 +195,7 @@ def _sequence_lengths(tokenized, two_samples: bool) -> list[int]:
     return lengths
 
 
-def _samples(row: dict, tokenizer, cfg, where: str) -> list[Sample]:
+def _samples(row: dict, tokenizer, cfg, where: str, scores: bool = False) -> list[Sample]:
     fmt = format_of(cfg.format)
     if fmt.unpaired:  # the answer as labelled; its KL sample (another row's answer) is not learned from
         sample = tokenize_row(row, tokenizer, cfg, where)
@@ -197,7 +207,20 @@ def _samples(row: dict, tokenizer, cfg, where: str) -> list[Sample]:
         return [_sample("", sample, tokenizer, left_out=sample["targets"] == 0)]
     chosen, rejected = tokenize_pair(row, tokenizer, cfg, where)
     left_out = not (chosen["targets"] and rejected["targets"]) or chosen["labels"] == rejected["labels"]
+    if scores:  # a reward model: the pair trains whole or not at all
+        left_out = left_out or chosen["truncated"] or rejected["truncated"]
+        chosen, rejected = _last_token_scored(chosen), _last_token_scored(rejected)
     return [_sample("chosen", chosen, tokenizer, left_out), _sample("rejected", rejected, tokenizer, left_out)]
+
+
+def _last_token_scored(sample: dict) -> dict:
+    """A reward model's view of a sequence: its reward is read at its last token, everything before is context
+    (objectives.sequence_rewards); a truncated sequence is scored nowhere (its pair is left out)."""
+    ids = sample["input_ids"]
+    labels = [IGNORE] * len(ids)
+    if ids and not sample["truncated"]:
+        labels[-1] = ids[-1]
+    return {**sample, "labels": labels, "targets": int(labels[-1] != IGNORE) if ids else 0}
 
 
 def _sample(label: str, sample: dict, tokenizer, left_out: bool) -> Sample:

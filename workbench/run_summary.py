@@ -44,6 +44,7 @@ class RunSummary:
     wall_s: float | None = None
     train_s: float | None = None
     startup_s: float | None = None
+    startup_peak_memory_mb: float | None = None  # the floor: model, adapter, optimizer and data before step 1
     finish_s: float | None = None
     tokens_per_s: float | None = None
     tokens_per_s_per_device: float | None = None
@@ -83,7 +84,8 @@ class RunSummary:
         summary = {**self.at_first_step(), **self.eval_final}
         summary.update({
             "status": self.status, "steps": self.steps, "epochs_started": self.epochs_started, "tokens": self.tokens,
-            "wall_s": self.wall_s, "train_s": self.train_s, "startup_s": self.startup_s, "finish_s": self.finish_s,
+            "wall_s": self.wall_s, "train_s": self.train_s, "startup_s": self.startup_s,
+            "startup_peak_memory_mb": self.startup_peak_memory_mb, "finish_s": self.finish_s,
             "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_device": self.tokens_per_s_per_device,
             PEAK_MEMORY_MB: self.peak_memory_mb, "peak_memory_mb_per_rank": self.peak_memory_mb_per_rank,
             "peak_memory_kind": self.peak_memory_kind, "mfu": self.mfu, "peak_flops": self.peak_flops,

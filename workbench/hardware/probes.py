@@ -147,11 +147,14 @@ def _parse_rates(text: str) -> tuple[float, float]:
 
 
 def matmul_peak(device_type: str, dtype_name: str, threads: int, size: int = 1024) -> float:
-    """The highest matmul rate (FLOP/s) seen on this machine for this dtype and thread count."""
+    """The highest matmul rate (FLOP/s) seen on this machine for this dtype and thread count: half a second of
+    matmuls the first time, then a tenth at the end of each run (a peak only ever reads low, so the runs keep
+    raising it; a short job does not pay half a second each time for it)."""
     import torch
 
-    measured = matmul_rate(device_type, getattr(torch, dtype_name), size=size, seconds=0.5, repeats=4)
     key = f"{device_type}|{dtype_name}|{threads}|{cpu_model_name()}"
+    seconds = 0.1 if read_cache_json("matmul_peak.json").get(key) is not None else 0.5
+    measured = matmul_rate(device_type, getattr(torch, dtype_name), size=size, seconds=seconds, repeats=4)
     return float(stored("matmul_peak.json", key, lambda: measured, best=True)[0])
 
 

@@ -329,6 +329,7 @@ class TrainingSession:
         self.last_loss, self.last_report = None, {}
         # what the user waits for before the first step
         self.summary.startup_s = round(time.perf_counter() - self.started, 2)
+        self.summary.startup_peak_memory_mb = round(peak_memory_mb(accelerator.device)[0], 1)
         collective_timeout(recipe.distributed.timeout_s)  # started together: from here a stall is a failure
         self.heartbeat.in_loop = True
         self.offload = ((lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if cfg.activation_offloading
