@@ -136,7 +136,7 @@ def job_spec(args, work: Path) -> dict:
     from peers_data import write_data, write_preference_data
 
     dpo = args.objective == "dpo"
-    job = {**(DPO_JOBS if dpo else JOBS)["quick" if args.quick else args.job]}
+    job = {**(DPO_JOBS if dpo else JOBS)["quick" if args.quick else args.job or "builtin-512"]}
     for key in ("train_rows", "eval_rows", "max_seq_len", "batch", "packs", "lr", "beta"):
         if getattr(args, key, None) is not None:
             job[key] = getattr(args, key)
@@ -310,14 +310,14 @@ def print_table(spec: dict, rows: list[dict], peaks: dict, loads: list[str]) -> 
     print(f"precision: {spec['model_dtype']} weights, autocast {spec['mixed_precision']} ({spec['precision_reason']})")
     print(f"measured peak: bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s, fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s "
           f"(1024² matmul, {spec['threads']} threads) | load average: {' -> '.join(loads)}")
-    head = (f"{'tool':10} {'process s':>9} {'job s':>7} {'loop s':>7} {'cpu s':>7} {'steps':>5} {'tokens':>7} {'tokens/s':>8} "
+    head = (f"{'tool':12} {'process s':>9} {'job s':>7} {'loop s':>7} {'cpu s':>7} {'steps':>5} {'tokens':>7} {'tokens/s':>8} "
             f"{'peak MB':>8} {'eval loss':>9} {'MFU bf16':>8} {'MFU fp32':>8}")
     print(head)
     for r in rows:
         if "error" in r:
-            print(f"{r['tool']:10} failed: {r['error']}")
+            print(f"{r['tool']:12} failed: {r['error']}")
             continue
-        print(f"{r['tool']:10} {r['process_s']:>9.1f} {r['job_s']:>7.1f} {r['loop_s']:>7.1f} {r['cpu_s']:>7.1f} {r['steps']:>5} "
+        print(f"{r['tool']:12} {r['process_s']:>9.1f} {r['job_s']:>7.1f} {r['loop_s']:>7.1f} {r['cpu_s']:>7.1f} {r['steps']:>5} "
               f"{r['tokens']:>7} {r['tokens_per_s']:>8.0f} {r['peak_rss_mb']:>8.0f} {r['eval_loss']:>9.4f} "
               f"{100 * r['mfu_bf16']:>7.1f}% {100 * r['mfu_fp32']:>7.1f}%")
     print("(times: best of the repeats; memory and loss: medians; job = load model, prepare data, one epoch, save adapter; loop = the training "
@@ -418,7 +418,7 @@ def print_ratios(rows: list[dict], dpo: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", choices=[j for j in JOBS if j != "quick"], default="builtin-512")
+    parser.add_argument("--job", choices=[j for j in JOBS if j != "quick"], help="the job (default builtin-512)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and a few rows: a smoke run")
     parser.add_argument("--objective", choices=["sft", "dpo"], default="sft",
                         help="dpo: the job's preference version, workbench vs TRL's DPOTrainer (no plain loop)")
@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every tool's precision: auto = what the workbench's auto resolves to on this CPU")
     parser.add_argument("--shapes", help="comma-separated jobs (e.g. short,long,wide) run one after another at every "
                         "--precisions, then one table of ratios; adds trl-unpacked to the default tools")
-    parser.add_argument("--precisions", default="fp32,bf16", help="with --shapes: comma-separated, from auto,fp32,bf16")
+    parser.add_argument("--precisions", help="with --shapes: comma-separated, from auto,fp32,bf16 (default fp32,bf16)")
     parser.add_argument("--train-rows", dest="train_rows", type=int)
     parser.add_argument("--eval-rows", dest="eval_rows", type=int)
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int)
@@ -467,6 +467,11 @@ def main(argv: list[str] | None = None) -> None:
         return child(Path(args.child))
     if args.table:
         return reprint(Path(args.table))
+    if args.shapes and (args.job or args.quick):
+        parser.error("--shapes names the jobs itself: leave out --job and --quick")
+    if args.precisions and not args.shapes:
+        parser.error("--precisions goes with --shapes; one job takes --precision")
+    args.job, args.precisions = args.job or "builtin-512", args.precisions or "fp32,bf16"
 
     known = DPO_TOOL_NAMES if args.objective == "dpo" else TOOL_NAMES
     default = [t for t in known if t != "workbench-baseline" and (t != "trl-unpacked" or args.shapes)]
@@ -496,7 +501,7 @@ def run_job(args, tools: list[str]) -> tuple[dict, list[dict], dict, list[str], 
         for repeat in range(args.repeats):
             for tool in tools:  # interleaved: A B C A B C
                 quiet = f", machine {wait_for_quiet(args.wait_quiet)}" if args.wait_quiet else ""
-                print(f"{args.job} {args.precision}, repeat {repeat + 1}/{args.repeats}: {tool} ... "
+                print(f"{'quick' if args.quick else args.job} {args.precision}, repeat {repeat + 1}/{args.repeats}: {tool} ... "
                       f"(load {load_average()}{quiet})", file=sys.stderr, flush=True)
                 runs[tool].append(run_child(spec, tool, work, repeat))
         loads.append(load_average())
@@ -559,8 +564,10 @@ def print_shapes_table(jobs: list[dict]) -> None:
     for job in jobs:
         tools = _by_tool(job)
         ours = tools.get("workbench")
-        line = f"{job['shape']:7} {job['spec']['model_dtype'][:9]:9} "
-        line += f"{ours['process_s']:>6.1f} " if ours else f"{'failed':>6} "
+        asked = job["precision"] if job["precision"] != "auto" else f"auto={job['spec']['model_dtype'][:4]}"
+        line = f"{job['shape']:7} {asked:9} "
+        failed = any(r["tool"] == "workbench" and "error" in r for r in job["summary"])
+        line += f"{ours['process_s']:>6.1f} " if ours else f"{'failed' if failed else '-':>6} "
         line += " ".join(f"{tools[p]['process_s']:>15.1f}" if p in tools else f"{'-':>15}" for p in peers) + " "
         line += " ".join(f"{_ratio(ours, tools[p], 'process_s')} {_ratio(ours, tools[p], 'job_s')} "
                          f"{_ratio(ours, tools[p], 'peak_rss_mb')}" if ours and p in tools else f"{'-':>29}"
@@ -584,7 +591,14 @@ def _by_tool(job: dict) -> dict:
 
 
 def reprint(path: Path) -> None:
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+        jobs = saved.get("jobs", [saved]) if isinstance(saved, dict) else None
+        keys = {"spec", "summary", "peaks", "load_average"} | ({"shape", "precision"} if "jobs" in saved else {"runs"})
+        if not isinstance(jobs, list) or not all(isinstance(job, dict) and keys <= set(job) for job in jobs):
+            raise ValueError("not a file that --out wrote")
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--table {path}: {err}") from None
     if "jobs" in saved:  # a --shapes sweep
         for job in saved["jobs"]:
             print_table(job["spec"], job["summary"], job["peaks"], job["load_average"])

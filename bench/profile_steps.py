@@ -46,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         import peers
         from peers_tools import workbench_recipe
 
+        if args.job not in peers.JOBS:
+            parser.error(f"--job {args.job}: one of {', '.join(peers.JOBS)} (bench/peers.py's jobs)")
         steps = args.steps or 40
-        spec = peers.job_spec(peers.build_parser().parse_args(["--job", args.job, "--threads", "1"]),
-                              out.parent / "profile_job")
+        job = ["--quick"] if args.job == "quick" else ["--job", args.job]
+        spec = peers.job_spec(peers.build_parser().parse_args([*job, "--threads", "1"]), out.parent / "profile_job")
         model, seq = spec["model_name"], spec["max_seq_len"]
         recipe = workbench_recipe({**spec, "tool": "workbench", "out": str(out.parent / "profile_runs")}).override(
             f"training.max_steps={steps}", "output.log_every=1", *overrides)

@@ -71,3 +71,20 @@ def test_peers_dpo_benchmark_runs(tmp_path):
         assert r["peak_rss_mb"] > 0 and r["job_s"] > 0
         assert 0 < r["eval_loss"] < 5 and 0 <= r["eval_reward_accuracy"] <= 1
         assert r["train_loss"] is not None and r["train_loss"] > 0
+
+
+def test_the_benchmark_refuses_flags_that_do_not_go_together_and_files_it_did_not_write(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import peers
+
+    for argv, message in ((["--precisions", "fp32"], "--precisions goes with --shapes"),
+                          (["--shapes", "short", "--job", "wide"], "--shapes names the jobs itself"),
+                          (["--shapes", "tiny"], "unknown shape or precision ['tiny']"),
+                          (["--objective", "dpo", "--tools", "trl-unpacked"], "unknown tool(s) ['trl-unpacked']")):
+        with pytest.raises(SystemExit):
+            peers.main(argv)
+        assert message in capsys.readouterr().err
+    for text in ("{bad", "[]", '{"jobs": [{"x": 1}]}'):
+        (tmp_path / "out.json").write_text(text)
+        with pytest.raises(SystemExit, match="--table .*out.json: "):
+            peers.main(["--table", str(tmp_path / "out.json")])

@@ -27,6 +27,8 @@ REFUSED = [
      "training.reward_center_coefficient"),
     (["training.objective=reward", "data.format=preference", "adapter.modules_to_save=[lm_head]"],
      "adapter.modules_to_save: lm_head: a reward model loads no language-model head"),
+    (["training.objective=reward", "data.format=preference", "adapter.modules_to_save=[score,model.LM_HEAD]"],
+     "adapter.modules_to_save: lm_head"),
 ]
 
 
@@ -219,3 +221,6 @@ def test_the_data_preview_shows_what_a_reward_model_scores():
     stats = preview.stats
     assert stats["train_cut"] > 0 and stats["target_tokens"] == 2 * stats["examples"]
     assert "scored (the last token of each sequence" in preview.summary_lines()[0]
+    # every pair cut: refused as training refuses it, naming the limit
+    with pytest.raises(WorkbenchError, match="every example is longer than data.max_seq_len=30"):
+        preview_data(Recipe.load("recipes/tiny-reward.yaml").override("data.max_seq_len=30"))

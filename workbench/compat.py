@@ -63,7 +63,8 @@ def check_recipe(recipe: "Recipe") -> None:
     if training.scores_sequences and method == "full":
         raise ValueError("training.objective: reward trains an adapter and the score head beside it, saved as a "
                          "sequence-classification adapter; use adapter.method lora/qlora/dora")
-    if training.scores_sequences and "lm_head" in (adapter.modules_to_save or []):
+    if training.scores_sequences and any(name.split(".")[-1].lower() == "lm_head"
+                                         for name in adapter.modules_to_save or []):
         raise ValueError("adapter.modules_to_save: lm_head: a reward model loads no language-model head (its score "
                          "head trains whole already); remove lm_head")
     if recipe.data.eval and recipe.data.eval_split:

@@ -664,10 +664,7 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
         stats["eval_sha256"] = tokenized.eval_rows.fingerprint
     train_tok = drop_empty(train_tok)
     if whole_only:
-        train_tok, stats["train_cut"] = drop_cut(train_tok)
-        if len(train_tok) == 0:
-            raise DataError(f"{cfg.train_name}: every example is longer than data.max_seq_len={cfg.max_seq_len} "
-                            "(a reward model reads whole samples); raise data.max_seq_len")
+        train_tok, stats["train_cut"] = whole_training_examples(train_tok, cfg)
     if eval_tok is not None:
         stats.update(_summarise(eval_tok, "eval"))
         eval_tok = drop_empty(eval_tok)
@@ -697,6 +694,16 @@ def _summarise(dataset, role: str) -> dict:
 def drop_empty(dataset):
     keep = [i for i, t in enumerate(dataset["targets"]) if t > 0]
     return dataset if len(keep) == len(dataset) else dataset.select(keep)
+
+
+def whole_training_examples(dataset, cfg: DataSection):
+    """(the training examples truncation left whole, how many it cut) for a reward model, which reads whole samples;
+    none left is an error naming the limit."""
+    kept, cut = drop_cut(dataset)
+    if len(kept) == 0:
+        raise DataError(f"{cfg.train_name}: every example is longer than data.max_seq_len={cfg.max_seq_len} "
+                        "(a reward model reads whole samples); raise data.max_seq_len")
+    return kept, cut
 
 
 def drop_cut(dataset):

@@ -11,7 +11,8 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import IGNORE, check_trainable, drop_cut, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row
+from .data import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row,
+                   whole_training_examples)
 from .errors import RecipeError
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
@@ -168,7 +169,7 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     lengths = _sequence_lengths(data.train, fmt.sequences_per_example > 1)
     stats = _stats(data.train, lengths, cfg, fmt)
     if scores:  # what a reward model trains on: whole pairs only (data.prepare_data's whole_only), one score each
-        kept, cut = drop_cut(drop_empty(data.train))
+        kept, cut = whole_training_examples(drop_empty(data.train), cfg)  # (what training refuses, this refuses)
         scored = _sequence_lengths(kept, True)
         packing = {k: v for k, v in _stats(kept, scored, cfg, fmt).items()
                    if k in ("examples", "packed_rows", "row_len", "packing_efficiency")}

@@ -53,9 +53,10 @@ def measured(probe: str, *args) -> Any:
 def read_cache_json(name: str) -> dict:
     """A small JSON table under cache_dir()/estimator ({} when missing or unreadable)."""
     try:
-        return json.loads((cache_dir() / "estimator" / name).read_text())
+        table = json.loads((cache_dir() / "estimator" / name).read_text())
     except (OSError, ValueError):
         return {}
+    return table if isinstance(table, dict) else {}  # a file someone overwrote is measured again
 
 
 def write_cache_json(name: str, data: dict) -> None:
@@ -72,6 +73,8 @@ def stored(table: str, key: str, measure: Callable[[], Any], best: bool = False)
     best=True: measure anyway and keep the highest value ever seen (a peak is a property of the hardware, and
     a probe that shares the cores with another busy thread only ever reads low)."""
     seen = read_cache_json(table).get(key)
+    if best and not isinstance(seen, (int, float)):  # a peak is a number; anything else is measured again
+        seen = None
     if seen is not None and not best:
         return seen, True
     value = measure()
@@ -153,7 +156,7 @@ def matmul_peak(device_type: str, dtype_name: str, threads: int, size: int = 102
     import torch
 
     key = f"{device_type}|{dtype_name}|{threads}|{cpu_model_name()}"
-    seconds = 0.1 if read_cache_json("matmul_peak.json").get(key) is not None else 0.5
+    seconds = 0.1 if isinstance(read_cache_json("matmul_peak.json").get(key), (int, float)) else 0.5
     measured = matmul_rate(device_type, getattr(torch, dtype_name), size=size, seconds=seconds, repeats=4)
     return float(stored("matmul_peak.json", key, lambda: measured, best=True)[0])
 
