@@ -90,6 +90,10 @@ def summary(rng: random.Random, sentences: int) -> tuple[str, str]:
     return f"Summarise this text in one sentence.\n\n{text}", f"The text explains how the parts of {topic} work together."
 
 
+def chat_row(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
 def make_row(rng: random.Random) -> dict:
     """One chat row; the mix sets the spread of lengths (most short, a long tail up to and past 512 tokens)."""
     kind = rng.random()
@@ -105,7 +109,7 @@ def make_row(rng: random.Random) -> dict:
         question, answer = explanation(rng, rng.randint(1, 4))
     else:
         question, answer = code(rng, rng.randint(1, 5))
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return chat_row(question, answer)
 
 
 SHORT_TASKS = [("Rewrite this sentence in the past tense.", lambda rng: sentence(rng, rng.choice(THINGS))),
@@ -131,7 +135,7 @@ def short_row(rng: random.Random) -> dict:
             answer = next(a for a in ANIMALS if a in given).capitalize() + "."
         else:
             answer = f"{FACTS[given]}."
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return chat_row(question, answer)
 
 
 def long_row(rng: random.Random) -> dict:
@@ -140,7 +144,7 @@ def long_row(rng: random.Random) -> dict:
         question, answer = story(rng, rng.randint(14, 20))
     else:
         question, answer = explanation(rng, rng.randint(5, 7))
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return chat_row(question, answer)
 
 
 ROW_KINDS = {"mixed": make_row, "short": short_row, "long": long_row}
