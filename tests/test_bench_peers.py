@@ -23,7 +23,7 @@ def test_peers_benchmark_runs_a_sweep_of_shapes_into_one_table(tmp_path):
     assert "workbench/trl:" in done.stdout and "workbench/plain:" in done.stdout
     sweep = done.stdout.split("all shapes:")[1].splitlines()
     row = next(line for line in sweep if line.startswith("short "))
-    assert row.split()[1] == "float32" and (" met vs trl" in row or "NOT met vs trl" in row)
+    assert row.split()[1] == "fp32" and (" met vs trl" in row or "NOT met vs trl" in row)
     (job,) = json.loads(out.read_text())["jobs"]
     assert job["shape"] == "short" and job["spec"]["model_dtype"] == "float32"
     rows = {r["tool"]: r for r in job["summary"]}

@@ -261,7 +261,7 @@ def interrupted_copy(source, target):
 RESUMES = {  # copy of -> resumed on (layout, processes)
     "fsdp-lora-ga1": ("single", 1), "zero3-lora-ga1": ("single", 1), "zero2-qlora-ga2": ("single", 1),
     "single-lora-ga1": ("fsdp", 2), "single-qlora-ga2": ("ddp", 2), "fsdp-qlora-ga1": ("fsdp", 2),
-    "zero3-lora-ga2": ("zero3", 2), "single-dpo-ga2": ("ddp", 2), "zero2-orpo-ga1": ("zero2", 2),
+    "zero3-lora-ga2": ("zero3", 2), "single-dpo-ga2": ("ddp", 2), "zero3-orpo-ga1": ("zero3", 2),
 }
 
 
