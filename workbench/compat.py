@@ -7,6 +7,7 @@ The table in docs/compatibility.md lists the same rules; tests/test_compat.py ch
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import adapter_init
@@ -34,9 +35,9 @@ def check_recipe(recipe: "Recipe") -> None:
         raise ValueError("adapter.modules_to_save: has no meaning with method full (every module is trained)")
     if method == "full" and adapter.rslora:
         raise ValueError("adapter.rslora: only applies to LoRA adapters; remove it or choose method lora")
-    problem = adapter_init.recipe_problem(recipe)
-    if problem:
-        raise ValueError(problem)
+    for problem in (adapter_init.recipe_problem(recipe), streaming_problem(recipe)):
+        if problem:
+            raise ValueError(problem)
     data_format = format_of(recipe.data.format)
     for k, source in enumerate(recipe.data.sources):
         # sources may mix instruction formats, never rows of another kind: one objective trains every row
@@ -80,6 +81,32 @@ def check_recipe(recipe: "Recipe") -> None:
         problem = layout_problem(recipe, layout_of(recipe, world_size=2))
         if problem:
             raise ValueError(problem)
+
+
+def streaming_problem(recipe: "Recipe") -> str | None:
+    """Why the recipe cannot read its training data as a stream, in one line naming the field; None when it can."""
+    data, training = recipe.data, recipe.training
+    if not data.streaming:
+        return None
+    if training.max_steps is None:
+        return ("training.max_steps: a streamed data set has no length to count epochs in; set the steps to run "
+                "(data.streaming: true)")
+    if not isinstance(data.train, str):
+        return ("data.train: data.streaming reads one source; mix the sources into one file, or turn streaming off "
+                "to weight several")
+    if data.eval_split:
+        return ("data.eval_split: holding a fraction out needs the whole source up front; give data.eval a file "
+                "(data.streaming: true)")
+    if Path(data.train).suffix.lower() == ".json":
+        return (f"data.train: {data.train} is one JSON document, read whole; write it as JSON lines (.jsonl) to "
+                "stream it")
+    if format_of(data.format).unpaired:
+        return ("data.format: unpaired rows pair each answer with another row's (KTO's KL sample), which needs the "
+                "whole source; turn data.streaming off")
+    if adapter_init.of(recipe).needs_data:
+        return (f"adapter.init: {recipe.adapter.init} reads the training data before the first step, which a stream "
+                "reads as it trains; turn data.streaming off or use another init")
+    return None
 
 
 def check_runtime(recipe: "Recipe", device_type: str, model_config) -> None:

@@ -79,20 +79,20 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
             # Parse the snapshot, not the file: the rows are the bytes that were hashed. (datasets caches a
             # local file by path and mtime, so a rewritten file with an old mtime would come back stale.)
             dataset = datasets.load_dataset(builder, data_files=str(snapshot), split="train",
-                                            **(_csv_as_text(snapshot) if builder == "csv" else {}))
+                                            **(csv_as_text(snapshot) if builder == "csv" else {}))
         except Exception as err:  # pyarrow/datasets raise many types for malformed files
             if local.suffix.lower() == ".jsonl":
                 _check_each_line(local, where, check_row, arrow_refused=True)
                 # every row is sound: pyarrow's JSON reader tripped on its own (e.g. a list of nulls after a
                 # blank line), so build the rows from Python's reading of the same bytes
                 try:
-                    dataset = datasets.Dataset.from_list([json.loads(line) for _, line in _json_lines(snapshot)])
+                    dataset = datasets.Dataset.from_list([json.loads(line) for _, line in json_lines(snapshot)])
                 except Exception:  # noqa: BLE001  the original error says more
-                    raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+                    raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
             else:
                 if local.suffix.lower() == ".csv":
                     _check_utf8(local)
-                raise DataError(f"{path}: cannot read as {builder}: {_first_line(err)}") from None
+                raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
         untyped = _untyped(dataset.features)
         if untyped and local.suffix.lower() == ".jsonl":
             # a column of several JSON types comes back re-read value by value ("1." as 1.0, blamed on a good row):
@@ -110,11 +110,11 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
     try:
         dataset = datasets.load_dataset(path, split=split)
     except Exception as err:
-        raise DataError(f"{path}: cannot load hub data set (offline or not found): {_first_line(err)}") from None
+        raise DataError(f"{path}: cannot load hub data set (offline or not found): {first_line(err)}") from None
     return Rows(dataset, path, lambda i: f"{path}[{split}] row {i}", f"hub:{path}:{split}:{dataset._fingerprint}")
 
 
-def _csv_as_text(path: Path) -> dict:
+def csv_as_text(path: Path) -> dict:
     """The CSV reader's options that keep every cell the text it holds: a column of numbers stays text ("4", not
     4.0), "NA" or "null" stay words, and an empty cell is "" (not a missing value, nor NaN)."""
     import datasets
@@ -133,7 +133,7 @@ def _check_cells(dataset, needs: tuple[str, ...], where: Callable[[int], str]) -
             raise DataError(f"{where(empty)}: the cell in column '{column}' is empty")
 
 
-def _json_lines(path: Path):
+def json_lines(path: Path):
     """(line number, text) of each non-blank line. Blank means JSON whitespace only, as for pyarrow
     (str.strip would also skip a line of control characters that pyarrow fails on); bytes that are
     not UTF-8 come through as surrogates."""
@@ -146,26 +146,33 @@ def _json_lines(path: Path):
 def _check_json_lines(path: Path) -> int:
     """The number of rows, each checked to be a JSON object with at least one field."""
     number, rows = 0, 0
-    for number, line in _json_lines(path):
+    for number, line in json_lines(path):
         rows += 1
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError as err:
-            byte = ord(line[err.start]) - 0xDC00  # surrogateescape keeps the raw byte
-            raise DataError(f"{path}:{number}: not UTF-8 text (byte {byte:#04x} at column {err.start + 1})") from None
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-        except RecursionError:
-            raise DataError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
-        if not row:  # the JSON reader silently drops `{}` beside a list-valued field
-            raise DataError(f"{path}:{number}: an empty row ({{}}): give it the data format's fields or remove it")
+        json_row(path, number, line)
     if not number:
         raise DataError(f"{path}: no rows (the file is empty or blank)")
     return rows
+
+
+def json_row(path: Path, number: int, line: str) -> dict:
+    """Line `number` of a JSON lines file as a row: a JSON object with at least one field, else DataError naming
+    the line."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(line[err.start]) - 0xDC00  # surrogateescape keeps the raw byte
+        raise DataError(f"{path}:{number}: not UTF-8 text (byte {byte:#04x} at column {err.start + 1})") from None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+    if not row:  # the JSON reader silently drops `{}` beside a list-valued field
+        raise DataError(f"{path}:{number}: an empty row ({{}}): give it the data format's fields or remove it")
+    return row
 
 
 def _check_json_document(path: Path) -> None:
@@ -229,7 +236,7 @@ def _check_each_line(path: Path, where: Callable[[int], str], check_row, arrow_r
     """Each row as Python's json module reads it, in file order: the first that fails `check_row` (or, where pyarrow
     refused the file, that pyarrow cannot represent) is named by its line, then a column that changes its JSON
     type."""
-    for i, (_, line) in enumerate(_json_lines(path)):
+    for i, (_, line) in enumerate(json_lines(path)):
         row = json.loads(line)
         problem = _arrow_refuses(line, row) if arrow_refused else None
         if problem:
@@ -250,7 +257,7 @@ def _json_kind(value) -> str:
 def _check_field_types(path: Path, where: Callable[[int], str]) -> None:
     """A column must keep one JSON type (null aside): name the first row where a field changes it."""
     first_seen: dict[str, tuple[str, int]] = {}
-    for i, (_, line) in enumerate(_json_lines(path)):
+    for i, (_, line) in enumerate(json_lines(path)):
         row = json.loads(line)
         for field_name, value in (row.items() if isinstance(row, dict) else ()):
             if value is None:
@@ -276,7 +283,7 @@ def _check_utf8(path: Path) -> None:
 def _row_locator(path: Path) -> Callable[[int], str]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        lines = [n for n, _ in _json_lines(path)]
+        lines = [n for n, _ in json_lines(path)]
         return lambda i: f"{path}:{lines[i]}" if i < len(lines) else f"{path} row {i}"
     if suffix == ".csv":
         return lambda i: f"{path}:{i + 2}"  # header is line 1
@@ -310,7 +317,7 @@ def _snapshot(path: Path) -> tuple[str, Path]:
     return digest.hexdigest(), snapshot
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
     while err.__cause__ is not None:  # datasets wraps the parser's error in "An error occurred while generating"
         err = err.__cause__
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -429,7 +436,7 @@ def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
     try:
         return render(row, tokenizer, cfg.system_prompt, where)
     except TemplateError as err:
-        raise DataError(f"{where}: the tokenizer's chat template refuses this row: {_first_line(err)}") from None
+        raise DataError(f"{where}: the tokenizer's chat template refuses this row: {first_line(err)}") from None
 
 
 # -- the prepared data set --------------------------------------------------------------------
@@ -447,6 +454,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     body = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     extra = json.dumps([tokenizer.chat_template, tokenizer.eos_token_id, PIPELINE_VERSION])
     return hashlib.sha256((body + extra).encode()).hexdigest()
+
+
+def chat_template_digest(tokenizer) -> str:
+    """The hash of how rows become text: a resumed run must render them as it started (resume.check_data)."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
 
 
 def tokenize_rows(rows: Rows, tokenizer, cfg: DataSection, limit: int | None = None, share_prompts: bool = False):
@@ -551,7 +563,7 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
     sources, cached = [], True
     for source in cfg.sources:
         source_cfg = cfg.model_copy(update={"train": source.path, "format": source.format})
-        rows = load_rows(source.path, cfg.split, _row_check(source.format), format_of(source.format).fields)
+        rows = load_rows(source.path, cfg.split, row_check(source.format), format_of(source.format).fields)
         tokenized, was_cached = tokenize_rows(rows, tokenizer, source_cfg, cfg.limit, share_prompts)
         if len(cfg.sources) > 1:  # one source alone is judged whole by check_trainable
             _check_source_trainable(tokenized, len(sources), source.path, cfg)
@@ -569,14 +581,14 @@ def tokenize_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: boo
             "samples": len(part)} for d, part in zip(sources, trains)]
     eval_tok, eval_rows = None, None
     if cfg.eval:
-        eval_rows = load_rows(cfg.eval, cfg.split, _row_check(cfg.format), format_of(cfg.format).fields)
+        eval_rows = load_rows(cfg.eval, cfg.split, row_check(cfg.format), format_of(cfg.format).fields)
         eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompts=share_prompts)
     elif held_out:
         eval_tok = _concatenated(held_out)
     return TokenizedData(sources, _concatenated(trains), eval_rows, eval_tok, cached, mix)
 
 
-def _row_check(fmt: str) -> Callable[[dict, str], None]:
+def row_check(fmt: str) -> Callable[[dict, str], None]:
     return lambda row, where: check_row(row, fmt, where)
 
 
@@ -638,8 +650,7 @@ def check_trainable(train_tok, cfg: DataSection) -> None:
     """Refuse data of which truncation leaves nothing to learn."""
     empty = sum(1 for t in train_tok["targets"] if t == 0)
     if len(train_tok) and empty == len(train_tok):
-        raise DataError(f"{cfg.train_name}: every sample loses its whole answer to truncation at data.max_seq_len="
-                        f"{cfg.max_seq_len}; raise data.max_seq_len or shorten the prompts")
+        raise every_answer_truncated(cfg)
     if len(train_tok) == 0:
         raise DataError(f"{cfg.train_name}: no training sample has a target token left after truncation")
 
@@ -653,8 +664,7 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     train_tok, eval_tok = tokenized.train, tokenized.eval
     stats = {"cached": tokenized.cached, **_summarise(train_tok, "train"),
              "train_sha256": tokenized.train_fingerprint,
-             # how rows became text: a resumed run must render them as it started (resume.check_data)
-             "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
+             "chat_template_sha256": chat_template_digest(tokenizer)}
     if format_of(cfg.format).sequences_per_example > 1:
         stats["shared_prompts"] = share_prompts
     check_trainable(train_tok, cfg)
@@ -665,18 +675,26 @@ def prepare_data(cfg: DataSection, tokenizer, seed: int = 0, share_prompts: bool
     train_tok = drop_empty(train_tok)
     if whole_only:
         train_tok, stats["train_cut"] = whole_training_examples(train_tok, cfg)
-    if eval_tok is not None:
-        stats.update(_summarise(eval_tok, "eval"))
-        eval_tok = drop_empty(eval_tok)
-        if whole_only:
-            eval_tok, stats["eval_cut"] = drop_cut(eval_tok)
-    row_len = cfg.max_seq_len * format_of(cfg.format).sequences_per_example  # a pair is two sequences
-    train = pack(train_tok, row_len) if cfg.packing else with_positions(train_tok)
-    evaluation = None
-    if eval_tok is not None and len(eval_tok):
-        evaluation = pack(eval_tok, row_len) if cfg.packing else with_positions(eval_tok)
+    evaluation = evaluation_examples(eval_tok, cfg, whole_only, stats)
+    train = examples_of(train_tok, cfg)
     stats["train_examples"] = len(train)
     return PreparedData(train, evaluation, stats)
+
+
+def evaluation_examples(eval_tok, cfg: DataSection, whole_only: bool, stats: dict):
+    """The held-out samples as evaluation reads them (None: there are none); their figures go into `stats`."""
+    if eval_tok is None:
+        return None
+    stats.update(_summarise(eval_tok, "eval"))
+    eval_tok = drop_empty(eval_tok)
+    if whole_only:
+        eval_tok, stats["eval_cut"] = drop_cut(eval_tok)
+    return examples_of(eval_tok, cfg) if len(eval_tok) else None
+
+
+def examples_of(tokenized, cfg: DataSection):
+    """Tokenized samples as batches hold them: packed into rows of data.row_len, or one per row."""
+    return pack(tokenized, cfg.row_len) if cfg.packing else with_positions(tokenized)
 
 
 def _summarise(dataset, role: str) -> dict:
@@ -701,9 +719,18 @@ def whole_training_examples(dataset, cfg: DataSection):
     none left is an error naming the limit."""
     kept, cut = drop_cut(dataset)
     if len(kept) == 0:
-        raise DataError(f"{cfg.train_name}: every example is longer than data.max_seq_len={cfg.max_seq_len} "
-                        "(a reward model reads whole samples); raise data.max_seq_len")
+        raise every_example_cut(cfg)
     return kept, cut
+
+
+def every_answer_truncated(cfg: DataSection) -> DataError:
+    return DataError(f"{cfg.train_name}: every sample loses its whole answer to truncation at data.max_seq_len="
+                     f"{cfg.max_seq_len}; raise data.max_seq_len or shorten the prompts")
+
+
+def every_example_cut(cfg: DataSection) -> DataError:
+    return DataError(f"{cfg.train_name}: every example is longer than data.max_seq_len={cfg.max_seq_len} "
+                     "(a reward model reads whole samples); raise data.max_seq_len")
 
 
 def drop_cut(dataset):
@@ -737,7 +764,7 @@ def pack(dataset, max_seq_len: int):
     table = dataset.with_format("arrow")
     lengths = (table["whole_length"].to_numpy() if "whole_length" in dataset.column_names
                else pc.list_value_length(table["input_ids"]).to_numpy())
-    members, ends = _best_fit_decreasing(lengths, max_seq_len)
+    members, ends = best_fit_decreasing(lengths, max_seq_len)
     columns = ["input_ids", "labels", *(c for c in ("position_ids", "desirable") if c in dataset.column_names)]
 
     def packed_chunks():
@@ -787,7 +814,7 @@ def _written_once(path: Path, features, batches) -> Any:
     return datasets.Dataset.from_file(str(path))
 
 
-def _best_fit_decreasing(lengths, capacity: int):
+def best_fit_decreasing(lengths, capacity: int):
     """Bins of example indices, each bin's lengths summing to at most `capacity`: the longest example first into
     the fullest bin it fits (ties: the lower index first, so the bins are the same on every process). Returned
     flat, as arrays of a few bytes per example: (members, ends), bin b holding members[ends[b-1]:ends[b]] in the

@@ -604,6 +604,8 @@ def _throughput(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, p
 def data_tokens(recipe: Recipe) -> int | None:
     """Tokens in one epoch of local training files: their text characters / 4, each source times its weight
     (None when a source is not a local file)."""
+    if recipe.data.streaming:  # a stream is read as it trains, never whole up front (and has no epochs)
+        return None
     counts = [_file_tokens(Path(source.path), recipe.data.limit) for source in recipe.data.sources]
     if any(count is None for count in counts):
         return None

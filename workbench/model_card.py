@@ -256,8 +256,8 @@ def _data_section(recipe: dict, summary: dict) -> str:
                 for k, source in enumerate(data["train"]) if isinstance(source, dict)]
         rows.append(("train, mixed", "", summary.get("train_samples"), _digest(summary.get("train_sha256"))))
     else:
-        rows = [("train", f"{_code(data.get('train'))}", summary.get("train_samples"),
-                 _digest(summary.get("train_sha256")))]
+        rows = [("train", f"{_code(data.get('train'))}", "streamed" if summary.get("streaming")
+                 else summary.get("train_samples"), _digest(summary.get("train_sha256")))]
     if data.get("eval"):
         rows.append(("eval", f"{_code(data['eval'])}", summary.get("eval_samples"), _digest(summary.get("eval_sha256"))))
     elif data.get("eval_split"):
@@ -267,7 +267,8 @@ def _data_section(recipe: dict, summary: dict) -> str:
     loss_on = "" if data.get("format") == "preference" else f", loss on {data.get('train_on', 'completions')}"
     settings = (f"Format {_code(data.get('format'))}, sequences of up to {data.get('max_seq_len')} tokens"
                 f"{', packed' if data.get('packing') else ''}{loss_on}"
-                + (f", first {data['limit']} rows" if data.get("limit") else "") + ".")
+                + (f", first {data['limit']} rows" if data.get("limit") else "")
+                + (", read as a stream" if data.get("streaming") else "") + ".")
     if data.get("chat_template"):
         template = data["chat_template"]  # a registered name, or a file: named by its file name, not where it lay
         settings += (f" Chat template {_code(template if template in TEMPLATES else Path(template).name)} in place "

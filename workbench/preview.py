@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .data import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row,
                    whole_training_examples)
+from . import streaming
 from .errors import RecipeError
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
@@ -68,7 +69,8 @@ class DataPreview:
         s = self.stats
         trained = (f"{s['target_tokens']:,} of them scored ({s['scored']}: a reward model)" if s.get("scored")
                    else f"{s['target_tokens']:,} of them trained ({s['target_fraction']:.0%})")
-        lines = [f"{self.source}: {s['rows']} rows ({self.format}), {s['tokens']:,} tokens, {trained}",
+        rows = f"the first {s['rows']} rows (a stream: read as it trains)" if s.get("streamed") else f"{s['rows']} rows"
+        lines = [f"{self.source}: {rows} ({self.format}), {s['tokens']:,} tokens, {trained}",
                  f"tokens per sequence: median {s['median_length']}, max {s['max_length']} "
                  f"(max_seq_len {self.max_seq_len})",
                  f"rows truncated at max_seq_len: {s['truncated']} ({s['truncated_fraction']:.1%}); rows left out of "
@@ -159,7 +161,9 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     fmt = format_of(cfg.format)
     scores = recipe.training.scores_sequences  # a reward model reads one position per sequence, not its answer
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-    data = tokenize_data(cfg, tokenizer, seed=recipe.training.seed)  # the split training makes
+    # the split training makes; of a stream, its opening (streaming.PREVIEW_ROWS rows), never the whole source
+    data = (streaming.opening(cfg, tokenizer) if cfg.streaming
+            else tokenize_data(cfg, tokenizer, seed=recipe.training.seed))
     check_trainable(data.train, cfg)  # what training refuses, the preview refuses
     shown = []
     for source in data.sources:  # the first rows of each source, each rendered with its own format
@@ -177,6 +181,8 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
                      target_fraction=len(scored) / max(sum(lengths), 1), scored="the last token of each sequence")
     if len(data.sources) > 1:
         stats["mix"] = data.mix
+    if cfg.streaming:
+        stats["streamed"] = True
     if data.eval is not None:
         stats.update(eval_source=str(cfg.eval) if cfg.eval else f"data.eval_split {cfg.eval_split}",
                      eval_rows=len(data.eval), eval_tokens=sum(len(ids) for ids in data.eval["input_ids"]))

@@ -159,6 +159,9 @@ class DataSection(Section):
                                       + ", ".join(CHAT_TEMPLATES) + " (workbench/chat_templates.py) or the path of a "
                                       "Jinja file; its turns must end with a token of the tokenizer's own.")
     limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
+    streaming: bool = Field(False, description="read data.train as a stream (workbench/streaming.py): rows are "
+                            "shuffled in a buffer, tokenized and packed as training reads them, with no copy or "
+                            "cache on disk; for a source larger than memory or disk. Needs training.max_steps.")
 
     _chat_template = field_validator("chat_template")(lambda value: _chat_template_value(value))
 

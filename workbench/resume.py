@@ -112,7 +112,7 @@ class ResumePlan:
             raise WorkbenchError("--resume: the chat template (data.chat_template, or the tokenizer's own) changed "
                                  "since the run started; resume with the template it started with, or start a new run")
 
-    def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
+    def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
                           model) -> None:
         """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
         latest = self.run.latest_checkpoint() if self.resuming else None
@@ -203,7 +203,7 @@ def _written_by(saved: Recipe, run: RunDir) -> tuple[int, int, int] | None:
         return saved.training.micro_batch_size, saved.training.grad_accum, saved_world
 
 
-def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: int, micro_batch: int, world_size: int) -> bool:
+def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_batch: int, world_size: int) -> bool:
     """The other half of the rule: a checkpoint taken `samples_in_epoch` samples into its epoch continues exactly
     where one micro-batch over all processes divides that (or the epoch is over)."""
     return samples_in_epoch % (micro_batch * world_size) == 0 or samples_in_epoch >= samples_per_epoch
@@ -212,7 +212,7 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: int, micro_ba
 # -- the checkpoint ------------------------------------------------------------------------------
 
 
-def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: int,
+def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
            model) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
     that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from ..attention import dense_mask_warning, flex_problem_for_run
 from ..attention import with_implementation as attention_for
 from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows, prepare_data
+from ..streaming import StreamBatches, stream_data
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
                            release_accelerator_state, unwrap, verify_launch)
@@ -159,11 +160,12 @@ class TrainingSession:
     def setup_data(self) -> None:
         recipe, cfg, accelerator = self.recipe, self.cfg, self.accelerator
         torch.manual_seed(cfg.seed)
+        streamed = recipe.data.streaming
         with accelerator.main_process_first():
-            self.data = prepare_data(recipe.data, self.tokenizer, seed=cfg.seed,
-                                     share_prompts=self.resuming.share_prompts(recipe, self.attention,
-                                                                               self.model_config),
-                                     whole_only=cfg.scores_sequences)
+            self.data = (stream_data if streamed else prepare_data)(
+                recipe.data, self.tokenizer, seed=cfg.seed,
+                share_prompts=self.resuming.share_prompts(recipe, self.attention, self.model_config),
+                whole_only=cfg.scores_sequences)
         if self.data.stats.get("train_cut") and self.main:
             accelerator.print(f"warning: {self.data.stats['train_cut']} training pair(s) longer than data.max_seq_len="
                               f"{recipe.data.max_seq_len} are left out (a reward model scores whole answers)")
@@ -175,12 +177,18 @@ class TrainingSession:
         # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
         # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
         # iterator) would drift from an uninterrupted one.
-        self.batches_of = StepBatches(len(self.data.train), cfg.micro_batch_size, accelerator.num_processes,
-                                      accelerator.process_index, seed=cfg.seed)
         # page-locked batches copy to a GPU asynchronously
         pinned = host_transfer(accelerator.device.type)["pin_memory"]
-        self.train_loader = DataLoader(TrainRows(self.data.train), batch_sampler=self.batches_of, collate_fn=collate,
-                                       generator=torch.Generator().manual_seed(cfg.seed), pin_memory=pinned)
+        if streamed:  # dealt alike, as the stream is read (workbench/streaming.py)
+            self.batches_of = StreamBatches(self.data.train, collate, cfg.micro_batch_size,
+                                            accelerator.num_processes, accelerator.process_index)
+            self.train_loader = self.batches_of
+        else:
+            self.batches_of = StepBatches(len(self.data.train), cfg.micro_batch_size, accelerator.num_processes,
+                                          accelerator.process_index, seed=cfg.seed)
+            self.train_loader = DataLoader(TrainRows(self.data.train), batch_sampler=self.batches_of,
+                                           collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),
+                                           pin_memory=pinned)
         # the held-out rows dealt the same way, in file order: each row scored once on one process (accelerate's
         # sharding would repeat rows to even out the processes, and count them twice)
         self.eval_loader = (DataLoader(TrainRows(self.data.eval), collate_fn=collate, pin_memory=pinned,
@@ -220,7 +228,7 @@ class TrainingSession:
         self.flop_counter = FlopCounter(model, model.config)
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
         self.resuming.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
-                                        len(self.data.train), model)
+                                        math.inf if self.recipe.data.streaming else len(self.data.train), model)
 
     def data_driven_init(self, model) -> dict:
         """adapter.init eva: A from this run's training data (the first epoch as one process is dealt it, on every
@@ -266,8 +274,9 @@ class TrainingSession:
         """Model and optimizer placed for the layout, the schedule, the objective; a resumed run's checkpoint loaded."""
         recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
-        steps_per_epoch = math.ceil(len(self.train_loader) / cfg.grad_accum)
-        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+        # (a streamed run has no length: it runs training.max_steps)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(self.train_loader)
+                                                                                    / cfg.grad_accum)))
         self.scheduler = build_scheduler(self.optimizer, recipe, self.total_steps)
         accelerator.register_save_state_pre_hook(_only_trainable_weights)
 

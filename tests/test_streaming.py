@@ -1,0 +1,187 @@
+"""data.streaming: the training set read as a stream. An epoch holds every trainable sample once, packed within the
+row length; the same epoch reads the same rows every time (so a resumed run is the uninterrupted one, bit for bit);
+the processes are dealt the rows as a map-style epoch deals them; and what a stream cannot do, or a bad row met
+mid-run, is one line naming the field or the file's line, keeping the checkpoints written before it."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench import streaming, train
+from workbench.cli import main
+from workbench.data import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
+from workbench.models import load_tokenizer
+from workbench.runs import RunDir
+from workbench.streaming import StreamBatches, StreamedExamples
+
+STREAMED = ("data.streaming=true", "training.max_steps=4")
+
+
+def samples_of(rows: list[dict]) -> list[tuple]:
+    """The samples packed in training rows, split where positions restart."""
+    samples = []
+    for row in rows:
+        starts = sample_starts(torch.tensor(row["position_ids"])).nonzero().flatten().tolist() + [len(row["input_ids"])]
+        samples += [tuple(row["input_ids"][a:b]) for a, b in zip(starts, starts[1:])]
+    return sorted(samples)
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+    """Buffers far smaller than the source, so that an epoch crosses several of each."""
+    monkeypatch.setattr(streaming, "SHUFFLE_BUFFER", 16)
+    monkeypatch.setattr(streaming, "PACK_WINDOW", 24)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_an_epoch_holds_every_trainable_sample_once_in_rows_within_the_length(tiny_recipe, small_windows, packing):
+    recipe = tiny_recipe.override(*STREAMED, f"data.packing={str(packing).lower()}")
+    tokenizer = load_tokenizer(recipe.model)
+    stream = StreamedExamples(recipe.data, tokenizer, seed=3)
+    rows = list(stream.examples(0))
+    mapped = tokenize_data(recipe.data, tokenizer).train
+    assert samples_of(rows) == sorted(tuple(ids) for ids, t in zip(mapped["input_ids"], mapped["targets"]) if t > 0)
+    assert all(len(row["input_ids"]) <= recipe.data.row_len for row in rows)
+    assert stream.read == {"samples": 200, "empty": 0, "cut": 0}
+    assert list(stream.examples(0)) == rows  # the same epoch again: the same rows in the same order
+    assert list(stream.examples(1)) != rows and samples_of(list(stream.examples(1))) == samples_of(rows)
+    if packing:  # windows of 24 samples pack almost as tightly as the whole set at once
+        assert len(rows) <= 1.1 * len(prepare_data(recipe.data, tokenizer).train)
+
+
+def test_one_window_packs_as_the_map_style_path_does(tiny_recipe):
+    recipe = tiny_recipe.override(*STREAMED)
+    tokenizer = load_tokenizer(recipe.model)
+    rows = list(StreamedExamples(recipe.data, tokenizer, seed=0).examples(0))
+    assert len(rows) == len(prepare_data(recipe.data, tokenizer).train)  # 200 rows: one window, the same bins
+
+
+def test_processes_are_dealt_the_rows_as_a_map_style_epoch_deals_them(tiny_recipe, small_windows):
+    recipe = tiny_recipe.override(*STREAMED)
+    stream = StreamedExamples(recipe.data, load_tokenizer(recipe.model), seed=0)
+    rows = list(stream.examples(0))
+    keep = lambda examples: examples  # noqa: E731  (collate: the rows as they are)
+    micro, world = 3, 2
+    dealt = [list(StreamBatches(stream, keep, micro, world, rank)) for rank in range(world)]
+    assert len(dealt[0]) == len(dealt[1]) == -(-len(rows) // (micro * world))  # every process runs every pass
+    interleaved = [row for pair in zip(*dealt) for batch in pair for row in batch if not row.get(STAND_IN)]
+    assert interleaved == rows  # each row once, in the epoch's order
+    assert sum(row.get(STAND_IN, False) for batch in dealt[1] for row in batch) == (len(rows) % 6 <= 3)
+    later = StreamBatches(stream, keep, micro, world, 1)
+    later.set_epoch(0, skip=2)
+    assert list(later) == dealt[1][2:]  # a resumed run continues at its round
+    collated = next(iter(StreamBatches(stream, Collator(0), micro)))
+    assert collated["input_ids"].shape[0] == micro and collated["num_tokens"] == sum(len(r["input_ids"])
+                                                                                      for r in rows[:micro])
+
+
+@pytest.mark.slow
+def test_a_streamed_run_resumes_exactly_across_an_epoch_end(tiny_recipe, tmp_path):
+    # 200 rows pack into 75, 8 a step: an epoch is 10 steps, and the run resumes at step 8 to go past it
+    recipe = tiny_recipe.override("data.streaming=true", "training.max_steps=12", "output.save_every=4")
+    done = train(recipe, progress_bar=False)
+    assert done.summary["streaming"] is True and done.summary["total_steps"] == 12
+    whole = load_file(done.run_dir / "adapter" / "adapter_model.safetensors")
+    run = RunDir(done.run_dir)
+    shutil.rmtree(run.checkpoint(12))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    resumed = train(recipe, resume=True, progress_bar=False)
+    again = load_file(resumed.run_dir / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.max_steps=null"], r"^.*training\.max_steps: a streamed data set has no length"),
+    (["data.train=[recipes/data/tiny_chat.jsonl, recipes/data/tiny_chat.jsonl]"], r"data\.train: data\.streaming "
+                                                                                   r"reads one source"),
+    (["data.eval=null", "data.eval_split=0.1"], r"data\.eval_split: holding a fraction out needs the whole source"),
+    (["data.train=rows.json"], r"data\.train: rows\.json is one JSON document"),
+    (["data.format=unpaired", "training.objective=kto"], r"data\.format: unpaired rows pair each answer"),
+    (["adapter.init=eva"], r"adapter\.init: eva reads the training data before the first step"),
+])
+def test_what_a_stream_cannot_do_is_one_line_naming_the_field(tmp_path, capsys, overrides, message):
+    run = tmp_path / "run"
+    assert main(["train", "recipes/tiny.yaml", "data.streaming=true", "training.max_steps=3", *overrides,
+                 f"output.dir={run}", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not run.exists()
+
+
+@pytest.mark.slow
+def test_a_bad_row_met_mid_run_names_its_line_and_keeps_the_checkpoints(tmp_path, capsys, small_windows):
+    rows = [json.loads(line) for line in open("recipes/data/tiny_chat.jsonl")]
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows[:150]) + '{"messages": "not a list"}\n')
+    run = tmp_path / "run"
+    code = main(["train", "recipes/tiny.yaml", "data.streaming=true", f"data.train={bad}", "training.max_steps=30",
+                 "output.save_every=2", "output.keep_last=5", "training.threads=1", f"output.dir={run}",
+                 "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:151:" in err and "Traceback" not in err
+    summary = RunDir(run).read_json()["summary"]
+    assert summary["status"] == "failed" and f"{bad}:151" in summary["error"]
+    latest = RunDir(run).latest_checkpoint()
+    assert latest is not None and latest[0] >= 2  # the steps before the bad row were trained and kept
+
+
+def test_a_stream_reads_csv_and_parquet_rows_naming_their_place(tiny_recipe, tmp_path):
+    import pandas as pd
+
+    rows = [{"instruction": f"Spell {i}.", "input": "", "output": f"number {i}"} for i in range(30)]
+    pd.DataFrame(rows).to_csv(tmp_path / "rows.csv", index=False)
+    pd.DataFrame(rows).to_parquet(tmp_path / "rows.parquet")
+    tokenizer = load_tokenizer(tiny_recipe.model)
+    read = {}
+    for name in ("rows.csv", "rows.parquet"):
+        recipe = tiny_recipe.override(*STREAMED, f"data.train={tmp_path / name}", "data.format=alpaca",
+                                      "data.eval=null")
+        read[name] = samples_of(list(StreamedExamples(recipe.data, tokenizer, seed=0).examples(0)))
+    assert read["rows.csv"] == read["rows.parquet"] and len(read["rows.csv"]) == 30
+    places = [item["where"] for item in streaming._read(str(tmp_path / "rows.csv"), "train")]
+    assert places[0] == f"{tmp_path / 'rows.csv'}:2" and len(places) == 30  # the header is line 1
+
+
+def test_the_preview_of_a_stream_reads_only_its_opening(tiny_recipe, tmp_path, monkeypatch):
+    from workbench.preview import preview_data
+
+    monkeypatch.setattr(streaming, "PREVIEW_ROWS", 50)
+    rows = open("recipes/data/tiny_chat.jsonl").read().splitlines()
+    source = tmp_path / "rows.jsonl"
+    source.write_text("\n".join(rows[:60]) + '\n{"messages": "not a list"}\n')  # past the opening: never read
+    preview = preview_data(tiny_recipe.override(*STREAMED, f"data.train={source}"), rows=2)
+    assert preview.stats["rows"] == 50 and preview.stats["streamed"]
+    assert preview.summary_lines()[0].startswith(f"{source}: the first 50 rows (a stream: read as it trains)")
+    assert [where for where, _ in preview.rows] == [f"{source}:1", f"{source}:2"]
+
+
+@pytest.mark.slow
+def test_two_processes_follow_one_on_a_stream_through_an_epoch_end(tmp_path):
+    """9 rows unpacked, 4 a step: steps of 4, 4 and 1 rows, then the next epoch. On two processes of micro-batch 2
+    the last round leaves process 1 without a row: it runs a stand-in, and the run is the one-process run's."""
+    import socket
+
+    import workbench as wb
+    from run_files import adapter, assert_same_adapter
+    from conftest import FP32
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recipe = wb.Recipe.load("recipes/tiny.yaml").override(
+        f"output.dir={tmp_path}/{{name}}", "data.streaming=true", "data.packing=false", "data.limit=9",
+        "training.max_steps=5", "training.grad_accum=1", "output.save_every=null", "output.eval_every=null",
+        "output.log_every=1", "training.threads=1", *FP32)
+    one = train(recipe.override("name=one", "training.micro_batch_size=4"), progress_bar=False)
+    two = wb.launch(recipe.override("name=two", "training.micro_batch_size=2", "distributed.strategy=ddp"), nproc=2,
+                    master=f"127.0.0.1:{port}", timeout=400)
+    assert two.summary["status"] == "completed" and two.summary["world_size"] == 2
+    loss = lambda run: run.metrics["loss"].dropna().tolist()  # noqa: E731
+    assert len(loss(two)) == 5 and loss(two) == pytest.approx(loss(one), rel=1e-4)
+    assert_same_adapter(adapter(two.run_dir), adapter(one.run_dir), atol=2e-5)

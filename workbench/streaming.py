@@ -1,0 +1,237 @@
+"""Training data read as a stream (`data.streaming: true`): for a source larger than memory or disk.
+
+The map-style path (workbench/data.py) copies the file, tokenizes every row into an Arrow cache and packs it
+before the first step: memory stays flat, but the run waits for the whole file and needs its room on disk
+several times over. A stream reads rows as training asks for them:
+
+    rows (datasets' IterableDataset: a JSON lines file read line by line, CSV, Parquet or a hub data set streamed)
+      -> shuffled in a seeded buffer of SHUFFLE_BUFFER rows (another order each epoch)
+      -> tokenized one by one, samples that lost their answer left out
+      -> packed best-fit-decreasing within windows of PACK_WINDOW samples, the window's rows in a seeded order
+      -> dealt to the processes a micro-batch at a time, as StepBatches deals a map-style epoch
+
+Every process reads the whole stream and keeps its own micro-batches, so a step holds the same samples on any
+process count, and a resumed run reads the epoch again up to where it stopped: the same rows, the same
+packing, exactly. Memory holds the two buffers, never the file; nothing is written to disk.
+
+What a stream cannot know is its length: a streamed run needs training.max_steps (an epoch is one pass, and the
+next epoch reads the source again in another order). What needs the whole source up front is refused by
+`recipe_problem`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from pathlib import Path
+from typing import Iterator
+
+from .data import (LOCAL_FORMATS, STAND_IN, PreparedData, Rows, SourceData, TokenizedData, best_fit_decreasing,
+                   chat_template_digest, csv_as_text, evaluation_examples, every_answer_truncated, every_example_cut,
+                   first_line, json_lines, json_row, load_rows, row_check, tokenize_row, tokenize_rows)
+from .errors import DataError
+from .formats import format_of
+
+SHUFFLE_BUFFER = 10_000  # rows held for shuffling (datasets' buffer shuffle)
+PACK_WINDOW = 2_000  # samples binned together: within 1% of packing the whole set, on alpaca-like lengths
+STREAMED_SUFFIXES = (".jsonl", ".csv", ".parquet")
+
+
+# -- rows ---------------------------------------------------------------------------------------------------------
+
+
+def _read(path: str, split: str) -> Iterator[dict]:
+    """{"where", "row"} for each row of the source, in its own order (the generator datasets streams)."""
+    import datasets
+
+    local = Path(path)
+    if local.suffix.lower() == ".jsonl":  # read here: every line is named, and no type is inferred
+        for number, line in json_lines(local):
+            yield {"where": f"{path}:{number}", "row": json_row(local, number, line)}
+        return
+    builder = LOCAL_FORMATS.get(local.suffix.lower())
+    try:
+        if local.exists():
+            rows = datasets.load_dataset(builder, data_files=str(local), split="train", streaming=True,
+                                         **(csv_as_text(local) if builder == "csv" else {}))
+            where = (lambda i: f"{path}:{i + 2}") if builder == "csv" else (lambda i: f"{path} record {i}")
+        else:
+            rows = datasets.load_dataset(path, split=split, streaming=True)
+            where = lambda i: f"{path}[{split}] row {i}"  # noqa: E731
+        for i, row in enumerate(rows):
+            yield {"where": where(i), "row": row}
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001  pyarrow and datasets raise many types for a malformed source
+        raise DataError(f"{path}: cannot read as a stream: {first_line(err)}") from None
+
+
+def check_source(path: str) -> None:
+    """DataError unless `path` is a local file a stream can read, or a hub data set name."""
+    local = Path(path)
+    if local.exists():
+        if local.is_dir():
+            raise DataError(f"{path}: is a folder; give a {', '.join(STREAMED_SUFFIXES)} file")
+        if not local.is_file():  # a FIFO or a device would block the reader, or never end
+            raise DataError(f"{path}: not a regular file; give a {', '.join(STREAMED_SUFFIXES)} file")
+        if local.suffix.lower() not in STREAMED_SUFFIXES:
+            raise DataError(f"{path}: a stream reads {', '.join(STREAMED_SUFFIXES)} files (got '{local.suffix}')")
+    elif path.count("/") != 1 or path.startswith((".", "/")):
+        raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+
+
+def source_fingerprint(path: str, split: str) -> str:
+    """The content hash of a local file, read a MB at a time (a resumed run refuses a changed file); a hub data
+    set's name and split."""
+    local = Path(path)
+    if not local.exists():
+        return f"hub:{path}:{split}"
+    digest = hashlib.sha256()
+    try:
+        with local.open("rb") as source:
+            for chunk in iter(lambda: source.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
+    return digest.hexdigest()
+
+
+# -- examples -----------------------------------------------------------------------------------------------------
+
+
+class StreamedExamples:
+    """One epoch's training examples, read, shuffled, tokenized and packed as they are asked for.
+
+    `examples(epoch)` is the same sequence every time it is asked for the same epoch: the shuffle buffer, the
+    packing windows and the order of each window's rows are all seeded."""
+
+    def __init__(self, cfg, tokenizer, seed: int, share_prompts: bool = False, whole_only: bool = False):
+        import datasets
+
+        check_source(cfg.train)
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self.share_prompts, self.whole_only = share_prompts, whole_only
+        rows = datasets.IterableDataset.from_generator(_read, gen_kwargs={"path": cfg.train, "split": cfg.split})
+        if cfg.limit is not None:
+            rows = rows.take(cfg.limit)
+        self.rows = rows.shuffle(seed=seed, buffer_size=SHUFFLE_BUFFER)
+        self.read = {"samples": 0, "empty": 0, "cut": 0}  # in the epoch being read
+
+    def examples(self, epoch: int) -> Iterator[dict]:
+        self.rows.set_epoch(epoch)  # datasets reseeds the buffer with seed + epoch
+        self.read = dict.fromkeys(self.read, 0)
+        window: list[dict] = []
+        windows = 0
+        for item in self.rows:
+            example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
+            self.read["samples"] += 1
+            if example["targets"] == 0:
+                self.read["empty"] += 1
+                continue
+            if self.whole_only and example["truncated"]:  # a reward model reads whole samples
+                self.read["cut"] += 1
+                continue
+            window.append(example)
+            if len(window) == PACK_WINDOW:
+                yield from self._rows_of(window, epoch, windows)
+                window, windows = [], windows + 1
+        if window:
+            yield from self._rows_of(window, epoch, windows)
+        elif not windows:  # nothing trainable in the whole source: what the map-style path refuses, refused alike
+            if self.read["cut"]:
+                raise every_example_cut(self.cfg)
+            if self.read["empty"]:
+                raise every_answer_truncated(self.cfg)
+            raise DataError(f"{self.cfg.train_name}: no rows (the source is empty)")
+
+    def _rows_of(self, window: list[dict], epoch: int, index: int) -> Iterator[dict]:
+        """The window's samples as training rows: packed (each row's samples attend only to themselves), or one a
+        row; in a seeded order, so that the rows binned first (the longest samples) do not always come first."""
+        if self.cfg.packing:
+            lengths = [e.get("whole_length", len(e["input_ids"])) for e in window]
+            members, ends = best_fit_decreasing(lengths, self.cfg.row_len)
+            members = members.tolist()
+            rows = [_joined([window[i] for i in members[start:end]]) for start, end in zip([0, *ends[:-1]], ends)]
+            random.Random(f"{self.seed}:{epoch}:{index}").shuffle(rows)
+        else:
+            rows = [_joined([example]) for example in window]
+        yield from rows
+
+
+def _joined(samples: list[dict]) -> dict:
+    """Samples side by side in one row, each keeping its own positions (restarting at 0)."""
+    row = {"input_ids": [], "labels": [], "position_ids": []}
+    for sample in samples:
+        row["input_ids"] += sample["input_ids"]
+        row["labels"] += sample["labels"]
+        row["position_ids"] += sample.get("position_ids") or list(range(len(sample["input_ids"])))
+    return row
+
+
+class StreamBatches:
+    """This process's collated micro-batches of a streamed epoch, dealt as StepBatches deals a map-style one: the
+    epoch's rows in rounds of micro_batch x world_size, process r taking the r-th micro-batch of each. The last
+    round may be short: a process left without rows runs a stand-in (weighted by zero), so that every process
+    runs the same passes. `set_epoch(epoch, skip)` starts at round `skip` (a resumed run: the rounds before are
+    read and dropped)."""
+
+    def __init__(self, examples: StreamedExamples, collate, micro_batch: int, world_size: int = 1, rank: int = 0):
+        self.source, self.collate = examples, collate
+        self.micro_batch, self.world_size, self.rank = micro_batch, world_size, rank
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+
+    def __iter__(self):
+        rows = self.source.examples(self.epoch)
+        per_round = self.micro_batch * self.world_size
+        for number in itertools.count():
+            batch_round = list(itertools.islice(rows, per_round))
+            if not batch_round:
+                return
+            if number < self.skip:
+                continue
+            mine = batch_round[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
+            yield self.collate(mine or [{**batch_round[-1], STAND_IN: True}])
+
+
+def stream_data(cfg, tokenizer, seed: int = 0, share_prompts: bool = False, whole_only: bool = False):
+    """The streamed counterpart of data.prepare_data: the training examples as a stream, the held-out file
+    (data.eval) prepared as usual, and the figures known before reading (content hashes)."""
+    examples = StreamedExamples(cfg, tokenizer, seed, share_prompts, whole_only)
+    stats = {"streaming": True, "train_sha256": source_fingerprint(cfg.train, cfg.split),
+             "chat_template_sha256": chat_template_digest(tokenizer)}
+    if format_of(cfg.format).sequences_per_example > 1:
+        stats["shared_prompts"] = share_prompts
+    evaluation = None
+    if cfg.eval:
+        eval_rows = load_rows(cfg.eval, cfg.split, row_check(cfg.format), format_of(cfg.format).fields)
+        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg, share_prompts=share_prompts)
+        stats["eval_sha256"] = eval_rows.fingerprint
+        evaluation = evaluation_examples(eval_tok, cfg, whole_only, stats)
+    return PreparedData(examples, evaluation, stats)
+
+
+PREVIEW_ROWS = 1_000  # rows a preview of a stream reads: its figures are those of the source's opening
+
+
+def opening(cfg, tokenizer, rows: int | None = None):
+    """The first `rows` rows (PREVIEW_ROWS) of a streamed source, tokenized as training tokenizes them, in the shape
+    data.tokenize_data gives the preview (workbench/preview.py): a preview never reads a stream whole."""
+    import datasets
+
+    check_source(cfg.train)
+    count = min(rows or PREVIEW_ROWS, cfg.limit or float("inf"))
+    read = list(itertools.islice(_read(cfg.train, cfg.split), count))
+    if not read:
+        raise DataError(f"{cfg.train}: no rows (the source is empty)")
+    tokenized = datasets.Dataset.from_list([tokenize_row(item["row"], tokenizer, cfg, item["where"]) for item in read])
+    source = SourceData(cfg.sources[0], cfg, Rows([item["row"] for item in read], cfg.train,
+                                                  lambda i: read[i]["where"], ""), tokenized)
+    eval_rows = eval_tok = None
+    if cfg.eval:
+        eval_rows = load_rows(cfg.eval, cfg.split, row_check(cfg.format), format_of(cfg.format).fields)
+        eval_tok, _ = tokenize_rows(eval_rows, tokenizer, cfg)
+    return TokenizedData([source], tokenized, eval_rows, eval_tok, cached=False)
