@@ -221,6 +221,8 @@ def test_the_data_preview_shows_what_a_reward_model_scores():
     stats = preview.stats
     assert stats["train_cut"] > 0 and stats["target_tokens"] == 2 * stats["examples"]
     assert "scored (the last token of each sequence" in preview.summary_lines()[0]
+    assert whole[0].title("x").endswith("tokens, reward read at its last token") and "trained" not in preview.to_text()
+    assert type(preview).from_json(preview.to_json()).rows[0][1][0].scored  # the UI's copy says the same
     # every pair cut: refused as training refuses it, naming the limit
     with pytest.raises(WorkbenchError, match="every example is longer than data.max_seq_len=30"):
         preview_data(Recipe.load("recipes/tiny-reward.yaml").override("data.max_seq_len=30"))

@@ -32,14 +32,16 @@ class Sample:
     targets: int
     truncated: bool
     left_out: bool = False  # training leaves the row out (no answer left, or a pair truncation made equal)
+    scored: bool = False  # a reward model's sequence: its reward is read at the marked last token, nothing trained
 
     def to_json(self) -> dict:
         return {"label": self.label, "spans": [[text, trained] for text, trained in self.spans],
                 "tokens": self.tokens, "targets": self.targets, "truncated": self.truncated,
-                "left_out": self.left_out}
+                "left_out": self.left_out, "scored": self.scored}
 
     def title(self, where: str) -> str:
-        return (f"{where}{f' ({self.label})' if self.label else ''}: {self.tokens} tokens, {self.targets} trained"
+        marked = "reward read at its last token" if self.scored else f"{self.targets} trained"
+        return (f"{where}{f' ({self.label})' if self.label else ''}: {self.tokens} tokens, {marked}"
                 f"{', truncated' if self.truncated else ''}{' (left out of training)' if self.left_out else ''}")
 
 
@@ -61,7 +63,8 @@ class DataPreview:
     def from_json(cls, data: dict) -> "DataPreview":
         """The preview `workbench data --json` printed (the UI runs the command in its workspace)."""
         rows = [(row["where"], [Sample(s["label"], [(text, bool(trained)) for text, trained in s["spans"]],
-                                       s["tokens"], s["targets"], s["truncated"], s.get("left_out", False))
+                                       s["tokens"], s["targets"], s["truncated"], s.get("left_out", False),
+                                       s.get("scored", False))
                                 for s in row["samples"]]) for row in data["rows"]]
         return cls(data["source"], data["format"], data["max_seq_len"], rows, data["lengths"], data["stats"])
 
@@ -217,7 +220,10 @@ def _samples(row: dict, tokenizer, cfg, where: str, scores: bool = False) -> lis
     if scores:  # a reward model: the pair trains whole or not at all
         left_out = left_out or chosen["truncated"] or rejected["truncated"]
         chosen, rejected = _last_token_scored(chosen), _last_token_scored(rejected)
-    return [_sample("chosen", chosen, tokenizer, left_out), _sample("rejected", rejected, tokenizer, left_out)]
+    pair = [_sample("chosen", chosen, tokenizer, left_out), _sample("rejected", rejected, tokenizer, left_out)]
+    for sample in pair:
+        sample.scored = scores
+    return pair
 
 
 def _last_token_scored(sample: dict) -> dict:
