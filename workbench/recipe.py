@@ -162,6 +162,9 @@ class DataSection(Section):
     streaming: bool = Field(False, description="read data.train as a stream (workbench/streaming.py): rows are "
                             "shuffled in a buffer, tokenized and packed as training reads them, with no copy or "
                             "cache on disk; for a source larger than memory or disk. Needs training.max_steps.")
+    shuffle_buffer: int = Field(10_000, gt=0, le=10_000_000,
+                                description="with streaming: rows held for shuffling (a larger buffer mixes a sorted "
+                                            "source better; memory grows with it times a row's size).")
 
     _chat_template = field_validator("chat_template")(lambda value: _chat_template_value(value))
 

@@ -5,9 +5,10 @@ before the first step: memory stays flat, but the run waits for the whole file a
 several times over. A stream reads rows as training asks for them:
 
     rows (datasets' IterableDataset: a JSON lines file read line by line, CSV, Parquet or a hub data set streamed)
-      -> shuffled in a seeded buffer of SHUFFLE_BUFFER rows (another order each epoch)
+      -> shuffled in a seeded buffer of data.shuffle_buffer rows (another order each epoch)
       -> tokenized one by one, samples that lost their answer left out
-      -> packed best-fit-decreasing within windows of PACK_WINDOW samples, the window's rows in a seeded order
+      -> packed best-fit-decreasing within windows of PACK_WINDOW samples (PACK_WINDOW_TOKENS tokens at most), the
+         window's rows in a seeded order
       -> dealt to the processes a micro-batch at a time, as StepBatches deals a map-style epoch
 
 Every process reads the whole stream and keeps its own micro-batches, so a step holds the same samples on any
@@ -33,8 +34,8 @@ from .data import (LOCAL_FORMATS, STAND_IN, PreparedData, Rows, SourceData, Toke
 from .errors import DataError
 from .formats import format_of
 
-SHUFFLE_BUFFER = 10_000  # rows held for shuffling (datasets' buffer shuffle)
 PACK_WINDOW = 2_000  # samples binned together: within 1% of packing the whole set, on alpaca-like lengths
+PACK_WINDOW_TOKENS = 2 ** 19  # or fewer, when they are long: a window's token lists stay near 50 MB
 STREAMED_SUFFIXES = (".jsonl", ".csv", ".parquet")
 
 
@@ -115,14 +116,14 @@ class StreamedExamples:
         rows = datasets.IterableDataset.from_generator(_read, gen_kwargs={"path": cfg.train, "split": cfg.split})
         if cfg.limit is not None:
             rows = rows.take(cfg.limit)
-        self.rows = rows.shuffle(seed=seed, buffer_size=SHUFFLE_BUFFER)
+        self.rows = rows.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
         self.read = {"samples": 0, "empty": 0, "cut": 0}  # in the epoch being read
 
     def examples(self, epoch: int) -> Iterator[dict]:
         self.rows.set_epoch(epoch)  # datasets reseeds the buffer with seed + epoch
         self.read = dict.fromkeys(self.read, 0)
         window: list[dict] = []
-        windows = 0
+        windows = tokens = 0
         for item in self.rows:
             example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
             self.read["samples"] += 1
@@ -133,9 +134,10 @@ class StreamedExamples:
                 self.read["cut"] += 1
                 continue
             window.append(example)
-            if len(window) == PACK_WINDOW:
+            tokens += len(example["input_ids"])
+            if len(window) == PACK_WINDOW or tokens >= PACK_WINDOW_TOKENS:
                 yield from self._rows_of(window, epoch, windows)
-                window, windows = [], windows + 1
+                window, windows, tokens = [], windows + 1, 0
         if window:
             yield from self._rows_of(window, epoch, windows)
         elif not windows:  # nothing trainable in the whole source: what the map-style path refuses, refused alike
