@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from workbench import streaming, train
 from workbench.cli import main
 from workbench.data import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
+from workbench.errors import DataError
 from workbench.models import load_tokenizer
 from workbench.runs import RunDir
 from workbench.streaming import StreamBatches, StreamedExamples
@@ -148,7 +149,7 @@ def test_a_stream_reads_csv_and_parquet_rows_naming_their_place(tiny_recipe, tmp
                                       "data.eval=null")
         read[name] = samples_of(list(StreamedExamples(recipe.data, tokenizer, seed=0).examples(0)))
     assert read["rows.csv"] == read["rows.parquet"] and len(read["rows.csv"]) == 30
-    places = [item["where"] for item in streaming._read(str(tmp_path / "rows.csv"), "train")]
+    places = [item["where"] for item in streaming._read(str(tmp_path / "rows.csv"), "train", "alpaca")]
     assert places[0] == f"{tmp_path / 'rows.csv'}:2" and len(places) == 30  # the header is line 1
 
 
@@ -189,3 +190,50 @@ def test_two_processes_follow_one_on_a_stream_through_an_epoch_end(tmp_path):
     loss = lambda run: run.metrics["loss"].dropna().tolist()  # noqa: E731
     assert len(loss(two)) == 5 and loss(two) == pytest.approx(loss(one), rel=1e-4)
     assert_same_adapter(adapter(two.run_dir), adapter(one.run_dir), atol=2e-5)
+
+
+def test_a_bad_opening_never_touches_an_earlier_run_it_would_replace(tiny_recipe, tmp_path, capsys):
+    done = train(tiny_recipe.override(*STREAMED, "training.max_steps=2"), progress_bar=False)
+    before = {p.relative_to(done.run_dir): p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"messages": "not a list"}\n')
+    assert main(["train", "recipes/tiny.yaml", *STREAMED, f"data.train={bad}", f"output.dir={done.run_dir}",
+                 "--overwrite", "--no-progress"]) == 2
+    assert f"{bad}:1:" in capsys.readouterr().err
+    after = {p.relative_to(done.run_dir): p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
+    assert after == before  # the run it would have replaced, as it was
+    fresh = tmp_path / "fresh"
+    assert main(["train", "recipes/tiny.yaml", *STREAMED, f"data.train={bad}", f"output.dir={fresh}",
+                 "--no-progress"]) == 2
+    assert not fresh.exists()  # nor is a directory left behind that a corrected run would have to --overwrite
+
+
+def test_the_first_bad_row_of_the_file_is_named_not_one_the_shuffle_met_first(tiny_recipe, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(40)))  # no `messages` anywhere
+    recipe = tiny_recipe.override(*STREAMED, f"data.train={rows}")
+    with pytest.raises(DataError, match=rf"^{rows}:1: "):
+        StreamedExamples(recipe.data, load_tokenizer(recipe.model), seed=0).open()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("instruction,output\nSpell 1.,one\n,two\n", r"rows\.csv:3: the cell in column 'instruction' is empty"),
+    (b"instruction,output\nSpell 1.,one\nSpell \xff.,two\n", r"rows\.csv:3: not UTF-8 text \(byte 0xff"),
+])
+def test_a_streamed_csv_names_an_empty_cell_or_bytes_that_are_not_text(tiny_recipe, tmp_path, content, message):
+    source = tmp_path / "rows.csv"
+    source.write_bytes(content.encode() if isinstance(content, str) else content)
+    recipe = tiny_recipe.override(*STREAMED, f"data.train={source}", "data.format=alpaca", "data.eval=null")
+    with pytest.raises(DataError, match=message):
+        list(StreamedExamples(recipe.data, load_tokenizer(recipe.model), seed=0).examples(0))
+
+
+def test_a_streamed_reward_run_warns_of_the_pairs_it_leaves_out(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "recipes/tiny-reward.yaml", *STREAMED, "training.max_steps=2", "data.max_seq_len=40",
+                 "training.threads=1", f"output.dir={run}", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    summary = RunDir(run).read_json()["summary"]
+    assert summary["train_cut"] > 0 and summary["train_opening_rows"] > summary["train_cut"]
+    assert (f"warning: {summary['train_cut']} training pair(s) (of the first {summary['train_opening_rows']} rows "
+            "read) longer than data.max_seq_len=40 are left out") in out

@@ -91,7 +91,7 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                     raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
             else:
                 if local.suffix.lower() == ".csv":
-                    _check_utf8(local)
+                    check_utf8(local)
                 raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
         untyped = _untyped(dataset.features)
         if untyped and local.suffix.lower() == ".jsonl":
@@ -130,7 +130,11 @@ def _check_cells(dataset, needs: tuple[str, ...], where: Callable[[int], str]) -
     for column in (c for c in needs if c in dataset.column_names):
         empty = next((i for i, value in enumerate(dataset[column]) if value is None or value == ""), None)
         if empty is not None:
-            raise DataError(f"{where(empty)}: the cell in column '{column}' is empty")
+            raise empty_cell(where(empty), column)
+
+
+def empty_cell(where: str, column: str) -> DataError:
+    return DataError(f"{where}: the cell in column '{column}' is empty")
 
 
 def json_lines(path: Path):
@@ -178,7 +182,7 @@ def json_row(path: Path, number: int, line: str) -> dict:
 def _check_json_document(path: Path) -> None:
     """A .json file holds one array (or object) of rows, or one object per line. Checked before
     datasets reads it: datasets 5.2 with pyarrow 26 kills the process on a file holding `null`."""
-    _check_utf8(path)
+    check_utf8(path)
     text = path.read_text(encoding="utf-8-sig")
     try:
         document = json.loads(text)
@@ -269,7 +273,7 @@ def _check_field_types(path: Path, where: Callable[[int], str]) -> None:
                                 f"{where(seen_at)} (a column keeps one type)")
 
 
-def _check_utf8(path: Path) -> None:
+def check_utf8(path: Path) -> None:
     with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             try:

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Iterator
 
 from .data import (LOCAL_FORMATS, STAND_IN, PreparedData, Rows, SourceData, TokenizedData, best_fit_decreasing,
-                   chat_template_digest, csv_as_text, evaluation_examples, every_answer_truncated, every_example_cut,
-                   first_line, json_lines, json_row, load_rows, row_check, tokenize_row, tokenize_rows)
+                   chat_template_digest, check_row, check_utf8, csv_as_text, empty_cell, evaluation_examples,
+                   every_answer_truncated, every_example_cut, first_line, json_lines, json_row, load_rows, row_check,
+                   tokenize_row, tokenize_rows)
 from .errors import DataError
 from .formats import format_of
 
@@ -42,17 +43,25 @@ STREAMED_SUFFIXES = (".jsonl", ".csv", ".parquet")
 # -- rows ---------------------------------------------------------------------------------------------------------
 
 
-def _read(path: str, split: str) -> Iterator[dict]:
-    """{"where", "row"} for each row of the source, in its own order (the generator datasets streams)."""
+def _read(path: str, split: str, fmt: str) -> Iterator[dict]:
+    """{"where", "row"} for each row of the source, in its own order, checked against its format: the first bad row
+    of the file is the one named, before any shuffling (the generator datasets streams)."""
+    for where, row in _rows(path, split, format_of(fmt).fields):
+        check_row(row, fmt, where)
+        yield {"where": where, "row": row}
+
+
+def _rows(path: str, split: str, needs: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, row) for each row of the source; `needs`: the columns whose CSV cells may not be empty."""
     import datasets
 
     local = Path(path)
-    if local.suffix.lower() == ".jsonl":  # read here: every line is named, and no type is inferred
-        for number, line in json_lines(local):
-            yield {"where": f"{path}:{number}", "row": json_row(local, number, line)}
-        return
     builder = LOCAL_FORMATS.get(local.suffix.lower())
     try:
+        if builder == "json":  # JSON lines, read here: every line is named, and no type is inferred
+            for number, line in json_lines(local):
+                yield f"{path}:{number}", json_row(local, number, line)
+            return
         if local.exists():
             rows = datasets.load_dataset(builder, data_files=str(local), split="train", streaming=True,
                                          **(csv_as_text(local) if builder == "csv" else {}))
@@ -61,10 +70,18 @@ def _read(path: str, split: str) -> Iterator[dict]:
             rows = datasets.load_dataset(path, split=split, streaming=True)
             where = lambda i: f"{path}[{split}] row {i}"  # noqa: E731
         for i, row in enumerate(rows):
-            yield {"where": where(i), "row": row}
+            if builder == "csv":
+                empty = next((c for c in needs if c in row and row[c] in (None, "")), None)
+                if empty is not None:
+                    raise empty_cell(where(i), empty)
+            yield where(i), row
     except DataError:
         raise
+    except OSError as err:  # the file removed or unreadable while a run reads it
+        raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
     except Exception as err:  # noqa: BLE001  pyarrow and datasets raise many types for a malformed source
+        if builder == "csv":
+            check_utf8(local)  # names the line of bytes that are not UTF-8
         raise DataError(f"{path}: cannot read as a stream: {first_line(err)}") from None
 
 
@@ -113,13 +130,31 @@ class StreamedExamples:
         check_source(cfg.train)
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.share_prompts, self.whole_only = share_prompts, whole_only
-        rows = datasets.IterableDataset.from_generator(_read, gen_kwargs={"path": cfg.train, "split": cfg.split})
+        rows = datasets.IterableDataset.from_generator(_read, gen_kwargs={"path": cfg.train, "split": cfg.split,
+                                                                         "fmt": cfg.format})
         if cfg.limit is not None:
             rows = rows.take(cfg.limit)
         self.rows = rows.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
         self.read = {"samples": 0, "empty": 0, "cut": 0}  # in the epoch being read
+        self.primed: tuple[Iterator[dict], dict] | None = None
+
+    def open(self) -> dict:
+        """Read epoch 0 up to its first row (one shuffle buffer, one packing window), kept for the loop: a bad row
+        there, or a source with nothing to learn, stops the run before it touches its directory. Returns what was
+        read so far: samples, and those left out (no answer left, or cut for a reward model)."""
+        if self.primed is None:
+            rows = self._examples(0)
+            self.primed = (rows, next(rows))
+        return dict(self.read)
 
     def examples(self, epoch: int) -> Iterator[dict]:
+        if epoch == 0 and self.primed is not None:
+            rows, first = self.primed
+            self.primed = None
+            return itertools.chain([first], rows)
+        return self._examples(epoch)
+
+    def _examples(self, epoch: int) -> Iterator[dict]:
         self.rows.set_epoch(epoch)  # datasets reseeds the buffer with seed + epoch
         self.read = dict.fromkeys(self.read, 0)
         window: list[dict] = []
@@ -203,8 +238,13 @@ def stream_data(cfg, tokenizer, seed: int = 0, share_prompts: bool = False, whol
     """The streamed counterpart of data.prepare_data: the training examples as a stream, the held-out file
     (data.eval) prepared as usual, and the figures known before reading (content hashes)."""
     examples = StreamedExamples(cfg, tokenizer, seed, share_prompts, whole_only)
+    opening = examples.open()
     stats = {"streaming": True, "train_sha256": source_fingerprint(cfg.train, cfg.split),
-             "chat_template_sha256": chat_template_digest(tokenizer)}
+             "chat_template_sha256": chat_template_digest(tokenizer),
+             # what the first buffer showed: a stream counts what it leaves out as it reads
+             "train_opening_rows": opening["samples"], "train_empty": opening["empty"]}
+    if whole_only:
+        stats["train_cut"] = opening["cut"]
     if format_of(cfg.format).sequences_per_example > 1:
         stats["shared_prompts"] = share_prompts
     evaluation = None
@@ -226,7 +266,7 @@ def opening(cfg, tokenizer, rows: int | None = None):
 
     check_source(cfg.train)
     count = min(rows or PREVIEW_ROWS, cfg.limit or float("inf"))
-    read = list(itertools.islice(_read(cfg.train, cfg.split), count))
+    read = list(itertools.islice(_read(cfg.train, cfg.split, cfg.format), count))
     if not read:
         raise DataError(f"{cfg.train}: no rows (the source is empty)")
     tokenized = datasets.Dataset.from_list([tokenize_row(item["row"], tokenizer, cfg, item["where"]) for item in read])

@@ -166,12 +166,15 @@ class TrainingSession:
                 recipe.data, self.tokenizer, seed=cfg.seed,
                 share_prompts=self.resuming.share_prompts(recipe, self.attention, self.model_config),
                 whole_only=cfg.scores_sequences)
+        # (a stream has read its first buffer: what it left out so far)
+        among = f" (of the first {self.data.stats['train_opening_rows']} rows read)" if streamed else ""
         if self.data.stats.get("train_cut") and self.main:
-            accelerator.print(f"warning: {self.data.stats['train_cut']} training pair(s) longer than data.max_seq_len="
-                              f"{recipe.data.max_seq_len} are left out (a reward model scores whole answers)")
+            accelerator.print(f"warning: {self.data.stats['train_cut']} training pair(s){among} longer than "
+                              f"data.max_seq_len={recipe.data.max_seq_len} are left out (a reward model scores whole "
+                              "answers)")
         if self.data.stats.get("train_empty") and self.main:
-            accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s) lost their whole answer "
-                              f"to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
+            accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s){among} lost their whole "
+                              f"answer to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
         collate = Collator(self.tokenizer.pad_token_id)
         # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
         # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
