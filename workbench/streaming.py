@@ -148,10 +148,9 @@ class StreamedExamples:
         return dict(self.read)
 
     def examples(self, epoch: int) -> Iterator[dict]:
-        if epoch == 0 and self.primed is not None:
-            rows, first = self.primed
-            self.primed = None
-            return itertools.chain([first], rows)
+        primed, self.primed = self.primed, None  # (a run resumed in a later epoch drops it)
+        if epoch == 0 and primed is not None:
+            return itertools.chain([primed[1]], primed[0])
         return self._examples(epoch)
 
     def _examples(self, epoch: int) -> Iterator[dict]:
