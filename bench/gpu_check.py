@@ -124,8 +124,8 @@ def run_peers(args, out: Path, timeout_s: float) -> dict:
     """bench/peers.py: the workbench, TRL's SFTTrainer and a plain loop on one job, interleaved."""
     result = out / "peers.json"
     # the goal compares the workbench with TRL: the plain loop and the baseline are left to bench/peers.py
-    job = (["--quick", "--train-rows", "16", "--eval-rows", "4", "--threads", "1"] if args.dry_run
-           else ["--job", "gpu-1b"]) + ["--tools", "workbench,trl"]
+    job = (["--quick", "--train-rows", "16", "--eval-rows", "4", "--threads", "1", "--probe-s", "0.1"]
+           if args.dry_run else ["--job", "gpu-1b"]) + ["--tools", "workbench,trl"]
     started = time.perf_counter()
     if timeout_s < 1:
         return {"error": "not run: the time budget was spent"}

@@ -246,9 +246,9 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measured_peaks(threads: int) -> dict:
-    """This machine's matmul peak (FLOP/s) in bf16 and fp32 with the benchmark's threads, best of a few tries;
-    on a known GPU its data-sheet figure (what MFU is quoted against)."""
+def measured_peaks(threads: int, seconds: float = 1.0) -> dict:
+    """This machine's matmul peak (FLOP/s) in bf16 and fp32 with the benchmark's threads, best of a few tries of
+    `seconds` each; on a known GPU its data-sheet figure (what MFU is quoted against)."""
     import torch
     from workbench.hardware.catalogue import peak_flops, peak_probe_size
     from workbench.hardware.probes import matmul_rate
@@ -258,7 +258,7 @@ def measured_peaks(threads: int) -> dict:
                                                                               ("fp32", "float32"))}
 
     torch.set_num_threads(threads)
-    return {name: max(matmul_rate("cpu", dtype, size=peak_probe_size("cpu", dtype), seconds=1.0, repeats=4)
+    return {name: max(matmul_rate("cpu", dtype, size=peak_probe_size("cpu", dtype), seconds=seconds, repeats=4)
                       for _ in range(2))
             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
 
@@ -454,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra workbench training.* setting, e.g. --wb gradient_checkpointing=true")
     parser.add_argument("--wait-quiet", dest="wait_quiet", type=float, default=0, metavar="S",
                         help="before each run wait up to S seconds for the machine to be idle (shared machines)")
+    parser.add_argument("--probe-s", dest="probe_s", type=float, default=1.0, metavar="S",
+                        help="seconds of each try of the CPU matmul probe that MFU is quoted against (default 1; a "
+                        "smoke run that reads no MFU can take 0.1)")
     parser.add_argument("--out", help="also write the per-run and summary rows to this JSON file")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier --out file again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -496,7 +499,7 @@ def run_job(args, tools: list[str]) -> tuple[dict, list[dict], dict, list[str], 
         work = Path(tmp)
         spec = job_spec(args, work)
         loads = [load_average()]
-        peaks = measured_peaks(args.threads)
+        peaks = measured_peaks(args.threads, args.probe_s)
         runs = {tool: [] for tool in tools}
         for repeat in range(args.repeats):
             for tool in tools:  # interleaved: A B C A B C

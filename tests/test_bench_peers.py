@@ -17,7 +17,8 @@ def test_peers_benchmark_runs_a_sweep_of_shapes_into_one_table(tmp_path):
     pytest.importorskip("trl")  # a development dependency: the peer it compares with
     out = tmp_path / "peers.json"
     done = subprocess.run([sys.executable, "bench/peers.py", "--shapes", "short", "--precisions", "fp32",
-                           "--train-rows", "24", "--eval-rows", "4", "--threads", "1", "--out", str(out),
+                           "--train-rows", "24", "--eval-rows", "4", "--threads", "1", "--probe-s", "0.1",
+                           "--out", str(out),
                            # TRL packed: bench/gpu_check.py's dry run runs it (tests/test_bench.py)
                            "--tools", "workbench,trl-unpacked,plain"], cwd=ROOT,
                           capture_output=True, text=True, timeout=400)
@@ -54,7 +55,8 @@ def test_peers_dpo_benchmark_runs(tmp_path):
     """The DPO job end to end: workbench vs TRL's DPOTrainer on the same pairs, ratios printed."""
     pytest.importorskip("trl")
     out = tmp_path / "peers-dpo.json"
-    done = subprocess.run([sys.executable, "bench/peers.py", "--objective", "dpo", "--quick", "--out", str(out)],
+    done = subprocess.run([sys.executable, "bench/peers.py", "--objective", "dpo", "--quick", "--probe-s", "0.1",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     table = {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
