@@ -39,3 +39,19 @@ def assert_same_adapter(a: dict, b: dict, atol: float = 0.0) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key], b[key], atol=atol, rtol=0), (key, (a[key] - b[key]).abs().max())
+
+
+def resumed_from_its_checkpoint(done, recipe, last_step: int):
+    """Train `recipe` again with --resume after taking away what a completed run wrote after its checkpoint
+    before `last_step`, as if it had stopped there; (adapter of the whole run, adapter of the resumed one)."""
+    import shutil
+
+    from workbench import train
+    from workbench.runs import RunDir
+
+    whole = adapter(done.run_dir)
+    run = RunDir(done.run_dir)
+    shutil.rmtree(run.checkpoint(last_step))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    return whole, adapter(train(recipe, resume=True, progress_bar=False).run_dir)

@@ -3,20 +3,18 @@ repeats exactly, held out for evaluation before weighting, shown in the preview 
 is one line naming the source."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from run_files import resumed_from_its_checkpoint
 from workbench import train
 from workbench.cli import main
 from workbench.data import mix_sources, tokenize_data
 from workbench.errors import DataError
 from workbench.models import load_tokenizer
 from workbench.recipe import DataSource
-from workbench.runs import RunDir
 
 CHAT = "recipes/data/tiny_chat.jsonl"
 
@@ -139,18 +137,12 @@ def test_a_mixed_run_resumes_exactly_and_evaluates_each_source(tiny_recipe, tmp_
 
     recipe = mixed(tiny_recipe, tmp_path, eval_split=0.1).override("training.max_steps=4", "output.save_every=2")
     done = train(recipe, progress_bar=False)
-    whole = load_file(done.run_dir / "adapter" / "adapter_model.safetensors")
     assert [p["samples"] for p in done.summary["mix"]] == [360, 18]
-    run = RunDir(done.run_dir)
-    shutil.rmtree(run.checkpoint(4))
-    shutil.rmtree(run.adapter)
-    run.update_json(summary={"status": "running"})
-    resumed = train(recipe, resume=True, progress_bar=False)
-    again = load_file(resumed.run_dir / "adapter" / "adapter_model.safetensors")
+    whole, again = resumed_from_its_checkpoint(done, recipe, last_step=4)
     assert all(torch.equal(whole[k], again[k]) for k in whole)  # the same rows in the same order after the resume
-    card = (resumed.run_dir / "adapter" / "README.md").read_text()
+    card = (done.run_dir / "adapter" / "README.md").read_text()
     assert f"| train (alpaca, weight 0.5) | `{tmp_path}/alpaca.jsonl` | 18 |" in card
-    result = evaluate(resumed.run_dir, max_new_tokens=4, save=False)
+    result = evaluate(done.run_dir, max_new_tokens=4, save=False)
     assert result["rows"] == 20 + 4 and result["format"] == "chat+alpaca"  # a tenth of each source, held out
 
 

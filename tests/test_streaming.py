@@ -5,12 +5,11 @@ mid-run, is one line naming the field or the file's line, keeping the checkpoint
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from run_files import resumed_from_its_checkpoint
 from workbench import streaming, train
 from workbench.cli import main
 from workbench.data import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
@@ -90,13 +89,7 @@ def test_a_streamed_run_resumes_exactly_across_an_epoch_end(tiny_recipe, tmp_pat
     recipe = tiny_recipe.override("data.streaming=true", "training.max_steps=12", "output.save_every=4")
     done = train(recipe, progress_bar=False)
     assert done.summary["streaming"] is True and done.summary["total_steps"] == 12
-    whole = load_file(done.run_dir / "adapter" / "adapter_model.safetensors")
-    run = RunDir(done.run_dir)
-    shutil.rmtree(run.checkpoint(12))
-    shutil.rmtree(run.adapter)
-    run.update_json(summary={"status": "running"})
-    resumed = train(recipe, resume=True, progress_bar=False)
-    again = load_file(resumed.run_dir / "adapter" / "adapter_model.safetensors")
+    whole, again = resumed_from_its_checkpoint(done, recipe, last_step=12)
     assert all(torch.equal(whole[k], again[k]) for k in whole)
 
 
