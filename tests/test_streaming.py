@@ -185,6 +185,7 @@ def test_two_processes_follow_one_on_a_stream_through_an_epoch_end(tmp_path):
     assert_same_adapter(adapter(two.run_dir), adapter(one.run_dir), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_bad_opening_never_touches_an_earlier_run_it_would_replace(tiny_recipe, tmp_path, capsys):
     done = train(tiny_recipe.override(*STREAMED, "training.max_steps=2"), progress_bar=False)
     before = {p.relative_to(done.run_dir): p.read_bytes() for p in done.run_dir.rglob("*") if p.is_file()}
@@ -221,6 +222,7 @@ def test_a_streamed_csv_names_an_empty_cell_or_bytes_that_are_not_text(tiny_reci
         list(StreamedExamples(recipe.data, load_tokenizer(recipe.model), seed=0).examples(0))
 
 
+@pytest.mark.slow
 def test_a_streamed_reward_run_warns_of_the_pairs_it_leaves_out(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "recipes/tiny-reward.yaml", *STREAMED, "training.max_steps=2", "data.max_seq_len=40",
