@@ -132,6 +132,7 @@ def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_an
 
 @pytest.mark.parametrize("overrides, message", [
     (["adapter.init=loftq2"], "adapter.init: must be one of default, gaussian, pissa, olora, eva, corda, got .loftq2."),
+    (["adapter.init=loftq"], "adapter.init: loftq is not offered: peft computes it on CUDA only"),
     (["adapter.init=corda", "adapter.method=qlora"], "adapter.init: corda rewrites the base weights"),
     (["adapter.init=eva", "adapter.method=dora"], "adapter.init: eva with DoRA is not supported"),
     (["adapter.init=eva", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3"],

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     import torch
 
 INITS = ("default", "gaussian", "pissa", "olora", "eva", "corda")
+# peft computes LoftQ on CUDA only (its loftq_utils pins the device), so no run here could check an init of ours
+# against peft's own
+LOFTQ_REFUSED = ("loftq is not offered: peft computes it on CUDA only; with QLoRA use default or gaussian, or pissa "
+                 "on an unquantized base")
 EVA_RHO = 2.0  # peft's default: a layer's rank may grow to rho x r as others shrink
 EVA_FILE = "eva_init.safetensors"  # in the run directory: the components EVA chose, for a resume
 # peft cycles the data until every layer converges: at most this many passes over the first epoch, or forward passes

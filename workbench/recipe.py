@@ -18,7 +18,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
                       model_validator)
 
-from .adapter_init import INITS
+from .adapter_init import INITS, LOFTQ_REFUSED
 from .chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
 from .errors import RecipeError, WorkbenchError
 from .formats import FORMAT_NAMES, FORMATS
@@ -85,6 +85,8 @@ class AdapterSection(Section):
     @field_validator("init")
     @classmethod
     def _known_init(cls, value):
+        if value == "loftq":
+            raise ValueError(LOFTQ_REFUSED)
         if value not in INITS:
             raise ValueError(f"must be one of {', '.join(INITS)}, got {value!r}")
         return value
