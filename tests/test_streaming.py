@@ -74,7 +74,8 @@ def test_processes_are_dealt_the_rows_as_a_map_style_epoch_deals_them(tiny_recip
     assert len(dealt[0]) == len(dealt[1]) == -(-len(rows) // (micro * world))  # every process runs every pass
     interleaved = [row for pair in zip(*dealt) for batch in pair for row in batch if not row.get(STAND_IN)]
     assert interleaved == rows  # each row once, in the epoch's order
-    assert sum(row.get(STAND_IN, False) for batch in dealt[1] for row in batch) == (len(rows) % 6 <= 3)
+    # the last round's rows: process 1 has none when they fill at most process 0's micro-batch
+    assert sum(row.get(STAND_IN, False) for batch in dealt[1] for row in batch) == (0 < len(rows) % 6 <= 3)
     later = StreamBatches(stream, keep, micro, world, 1)
     later.set_epoch(0, skip=2)
     assert list(later) == dealt[1][2:]  # a resumed run continues at its round
@@ -232,3 +233,33 @@ def test_a_streamed_reward_run_warns_of_the_pairs_it_leaves_out(tmp_path, capsys
     assert summary["train_cut"] > 0 and summary["train_opening_rows"] > summary["train_cut"]
     assert (f"warning: {summary['train_cut']} training pair(s) (of the first {summary['train_opening_rows']} rows "
             "read) longer than data.max_seq_len=40 are left out") in out
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "x"}]}',
+     "a string holds an unpaired surrogate escape"),
+    ('{"messages": [], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}',
+     "field 'messages' appears twice"),
+])
+def test_a_row_no_reader_takes_is_named_as_the_map_style_path_names_it(tiny_recipe, tmp_path, line, message):
+    rows = open("recipes/data/tiny_chat.jsonl").read().splitlines()
+    source = tmp_path / "rows.jsonl"
+    source.write_text("\n".join(rows[:5]) + "\n" + line + "\n")
+    recipe = tiny_recipe.override(*STREAMED, f"data.train={source}")
+    with pytest.raises(DataError, match=rf"^{source}:6: {message}"):
+        list(StreamedExamples(recipe.data, load_tokenizer(recipe.model), seed=0).examples(0))
+    with pytest.raises(DataError, match=rf"^{source}:6: {message}"):  # the same words as the map-style path's
+        tokenize_data(recipe.data, load_tokenizer(recipe.model))
+
+
+def test_a_preview_that_stops_at_an_opening_with_nothing_to_learn_says_so(tiny_recipe, tmp_path, monkeypatch):
+    from workbench.preview import preview_data
+
+    monkeypatch.setattr(streaming, "PREVIEW_ROWS", 20)
+    long_answers = [{"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y"}]}] * 20
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in long_answers)
+                      + open("recipes/data/tiny_chat.jsonl").read())
+    with pytest.raises(DataError, match=r"every sample loses its whole answer .* \(in the first 20 rows of the "
+                                        r"stream, all a preview reads; a run reads on past them\)"):
+        preview_data(tiny_recipe.override(*STREAMED, f"data.train={source}"))

@@ -200,8 +200,9 @@ def _check_json_document(path: Path) -> None:
 MAX_JSON_DEPTH = 63  # pyarrow's JSON reader refuses deeper nesting
 
 
-def _arrow_refuses(line: str, row: dict) -> str | None:
-    """Why pyarrow cannot read a line that Python's json module reads, or None."""
+def text_problem(line: str, row: dict) -> str | None:
+    """Why a line Python's json module reads is not a row for any reader (a field given twice keeps only its last
+    value; a lone surrogate is not text a tokenizer takes), or None."""
     keys = [key for key, _ in json.loads(line, object_pairs_hook=lambda pairs: pairs)]
     if len(set(keys)) < len(keys):
         return f"field '{next(k for k in keys if keys.count(k) > 1)}' appears twice"
@@ -209,6 +210,14 @@ def _arrow_refuses(line: str, row: dict) -> str | None:
         json.dumps(row, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         return "a string holds an unpaired surrogate escape (\\ud800-\\udfff): not valid Unicode"
+    return None
+
+
+def _arrow_refuses(line: str, row: dict) -> str | None:
+    """Why pyarrow cannot read a line that Python's json module reads, or None."""
+    problem = text_problem(line, row)
+    if problem:
+        return problem
     depth, level = 0, [row]
     while level:
         depth += 1

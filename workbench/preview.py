@@ -8,13 +8,14 @@ and packing, and the same on-disk cache, so a preview also prepares the run's to
 from __future__ import annotations
 
 import html
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row,
                    whole_training_examples)
 from . import streaming
-from .errors import RecipeError
+from .errors import DataError, RecipeError
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
 from .recipe import Recipe
@@ -167,7 +168,8 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     # the split training makes; of a stream, its opening (streaming.PREVIEW_ROWS rows), never the whole source
     data = (streaming.opening(cfg, tokenizer) if cfg.streaming
             else tokenize_data(cfg, tokenizer, seed=recipe.training.seed))
-    check_trainable(data.train, cfg)  # what training refuses, the preview refuses
+    with _of_the_opening(cfg, len(data.train)):
+        check_trainable(data.train, cfg)  # what training refuses, the preview refuses
     shown = []
     for source in data.sources:  # the first rows of each source, each rendered with its own format
         for i in range(min(rows, len(source.rows.dataset), cfg.limit if cfg.limit is not None else rows)):
@@ -176,7 +178,8 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
     lengths = _sequence_lengths(data.train, fmt.sequences_per_example > 1)
     stats = _stats(data.train, lengths, cfg, fmt)
     if scores:  # what a reward model trains on: whole pairs only (data.prepare_data's whole_only), one score each
-        kept, cut = whole_training_examples(drop_empty(data.train), cfg)  # (what training refuses, this refuses)
+        with _of_the_opening(cfg, len(data.train)):  # (what training refuses, this refuses)
+            kept, cut = whole_training_examples(drop_empty(data.train), cfg)
         scored = _sequence_lengths(kept, True)
         packing = {k: v for k, v in _stats(kept, scored, cfg, fmt).items()
                    if k in ("examples", "packed_rows", "row_len", "packing_efficiency")}
@@ -191,6 +194,18 @@ def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPrevi
                      eval_rows=len(data.eval), eval_tokens=sum(len(ids) for ids in data.eval["input_ids"]))
     formats = "+".join(dict.fromkeys(source.source.format for source in data.sources))
     return DataPreview(cfg.train_name, formats, cfg.max_seq_len, shown, lengths, stats)
+
+
+@contextmanager
+def _of_the_opening(cfg, read: int):
+    """A refusal of a stream's opening says so: training reads on past rows a preview has to stop at."""
+    try:
+        yield
+    except DataError as err:
+        if not cfg.streaming:
+            raise
+        raise DataError(f"{err} (in the first {read} rows of the stream, all a preview reads; a run reads on past "
+                        "them)") from None
 
 
 def _sequence_lengths(tokenized, two_samples: bool) -> list[int]:

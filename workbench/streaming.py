@@ -31,7 +31,7 @@ from typing import Iterator
 from .data import (LOCAL_FORMATS, STAND_IN, PreparedData, Rows, SourceData, TokenizedData, best_fit_decreasing,
                    chat_template_digest, check_row, check_utf8, csv_as_text, empty_cell, evaluation_examples,
                    every_answer_truncated, every_example_cut, first_line, json_lines, json_row, load_rows, row_check,
-                   tokenize_row, tokenize_rows)
+                   text_problem, tokenize_row, tokenize_rows)
 from .errors import DataError
 from .formats import format_of
 
@@ -60,7 +60,11 @@ def _rows(path: str, split: str, needs: tuple[str, ...]) -> Iterator[tuple[str, 
     try:
         if builder == "json":  # JSON lines, read here: every line is named, and no type is inferred
             for number, line in json_lines(local):
-                yield f"{path}:{number}", json_row(local, number, line)
+                row = json_row(local, number, line)
+                problem = text_problem(line, row)
+                if problem:
+                    raise DataError(f"{path}:{number}: {problem}")
+                yield f"{path}:{number}", row
             return
         if local.exists():
             rows = datasets.load_dataset(builder, data_files=str(local), split="train", streaming=True,
