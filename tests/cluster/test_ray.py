@@ -48,7 +48,8 @@ def test_a_ray_run_survives_a_killed_worker_and_a_sigterm_and_ends_as_an_uninter
     shutil.copytree(torchrun, run_dir)  # a completed run, which only --overwrite trains again
     command = [sys.executable, "-m", "workbench", "ray", RECIPE, "--workers", "2", "--max-failures", "1",
                f"output.dir={run_dir}", *RUN]
-    process = start([*command, "--overwrite"])
+    # step 20's checkpoint held for 20 s: however fast the steps run, the stop sent after step 6 lands mid-run
+    process = start([*command, "--overwrite"], env={"LORA_WORKBENCH_CHECKPOINT_PAUSE": "20:20"})
     wait_for(lambda: logged_step(run_dir) >= 3 and ray_workers(), process, what="step 3 under Ray")
     os.kill(max(ray_workers()), signal.SIGKILL)  # one worker gone without a word: Ray restarts the group
     wait_for(lambda: logged_step(run_dir) >= 6, process, what="step 6 after the restart")
