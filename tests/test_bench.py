@@ -43,6 +43,19 @@ def test_gpu_check_dry_run_goes_through_every_part(tmp_path):
 
 
 @pytest.mark.slow
+def test_step_floor_measures_each_part_and_says_where_half_of_trls_time_lies(tmp_path):
+    done = subprocess.run([sys.executable, "bench/step_floor.py", "--jobs", "quick", "--precisions", "fp32",
+                           "--micro-batches", "4", "--repeats", "2", "--import-repeats", "1", "--trl-s",
+                           "quick/fp32=1000", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("quick"))
+    step, no_dropout, base, adapter, floor = map(float, row[3:8])
+    assert 0 < base < step and 0 < adapter and abs(floor - (base + adapter)) < 0.11
+    assert row[-1] == "below"  # half of 1000 s lies far above a few steps of a tiny model
+
+
+@pytest.mark.slow
 def test_profile_steps_runs_and_names_the_matmul_shapes(tmp_path):
     out = tmp_path / "profile.txt"
     done = subprocess.run([sys.executable, "bench/profile_steps.py", "--cpu", "--steps", "1", "--out", str(out),
