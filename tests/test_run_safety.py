@@ -52,6 +52,33 @@ def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tiny_recipe):
     assert (done.run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
 
 
+def test_resume_auto_on_a_completed_run_refuses_another_recipe_as_resume_does(tiny_recipe, tmp_path, capsys):
+    from workbench.cli import main
+
+    recipe = tiny_recipe.override("training.max_steps=2")
+    done = train(recipe, progress_bar=False)
+    run = RunDir(done.run_dir)
+    kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    other = chat_rows(tmp_path / "other.jsonl", 24)
+    changed = (f"data.train={other}", "adapter.r=4", "training.max_steps=100")
+    with pytest.raises(RecipeError) as err:
+        train(recipe.override(*changed), resume="auto", progress_bar=False)
+    message = str(err.value)
+    assert message.startswith("--resume: the recipe differs from the run's own") and "\n" not in message
+    assert "adapter.r: 8 -> 4" in message and "training.max_steps: 2 -> 100" in message
+    assert "data.train" in message and "other.jsonl" in message
+    # the same refusal from the command line (its exit code), and by the recipe's own training.resume: auto
+    code = main(["train", str(run.recipe), "--no-progress", *changed, "--resume", "auto"])
+    assert code == RecipeError.exit_code and "adapter.r: 8 -> 4" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="adapter.r: 8 -> 4"):
+        train(recipe.override(*changed, "training.resume=auto"), progress_bar=False)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept  # not one byte changed
+    # its own recipe (and a change a resume may make) still finds the run done and returns it as it is
+    again = train(recipe.override("output.log_every=5"), resume="auto", progress_bar=False)
+    assert "the run has completed; nothing to resume" in capsys.readouterr().out
+    assert again.summary == done.summary
+
+
 def interrupted_run(tiny_recipe):
     """A run that saved step 2 of 4 and then died (as kill -9 leaves it: status running, no adapter)."""
     recipe = tiny_recipe.override("training.max_steps=4", "output.save_every=2")
@@ -80,6 +107,30 @@ def test_resume_refuses_a_changed_recipe_naming_every_change(tiny_recipe):
     with pytest.raises(RecipeError, match=r"^--resume: the run's own recipe .*recipe.yaml is missing"):
         train(recipe.override("adapter.r=4"), resume=True, progress_bar=False)
     assert not run.recipe.exists() and run.read_json()["summary"]["status"] == "running"
+
+
+def test_a_refused_change_inside_the_data_mix_names_the_source_and_field_in_one_bounded_line(tiny_recipe, tmp_path):
+    from workbench.resume import LISTED_CHANGES, check_resume
+
+    # long paths first, so that a message showing the whole list cut to length would hide the weight that changed
+    sources = [{"path": f"{tmp_path}/{'nested/' * 10}source-{i}.jsonl", "weight": 1} for i in range(20)]
+    recipe = tiny_recipe.override(data__train=sources)
+    run = RunDir(recipe.run_dir)
+    run.path.mkdir(parents=True)
+    recipe.save(run.recipe)
+    heavier = [{**source, "weight": 3} if i == 1 else source for i, source in enumerate(sources)]
+    with pytest.raises(RecipeError) as err:
+        check_resume(recipe.override(data__train=heavier), run)
+    message = str(err.value)
+    assert "data.train[1].weight: 1.0 -> 3.0" in message and "data.train[0]" not in message
+    # every weight changed: the first ones named, the rest counted, on one line of bounded length
+    every = [{**source, "weight": 2} for source in sources]
+    with pytest.raises(RecipeError) as err:
+        check_resume(recipe.override(data__train=every, adapter__r=4), run)
+    message = str(err.value)
+    assert "adapter.r: 8 -> 4" in message and "data.train[10].weight: 1.0 -> 2.0" in message
+    assert f"and {20 + 1 - LISTED_CHANGES} more" in message and "data.train[19]" not in message
+    assert "\n" not in message and len(message) < 2000
 
 
 def test_resume_allows_safe_changes_and_records_them(tiny_recipe):
@@ -382,6 +433,7 @@ print(json.dumps(states))
 def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_and_replaces_cleanly(tiny_recipe,
                                                                                                 tmp_path, earlier):
     from workbench.preflight import check_output_dir
+    from workbench.resume import claim
     from workbench.runs import RUN_ENTRIES, is_leftover
 
     if earlier == "completed":
@@ -411,13 +463,13 @@ def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_a
                     assert (state / name).read_bytes() == data, (state, name)
         else:  # the new run's record: it died starting, and nothing of the old run can be resumed
             assert run.summary["status"] == "died" and latest is None, state
-        resume = RunDir(state)
+        resumed = RunDir(state)
         if earlier == "interrupted" and latest is not None:
-            resume.claim(resume=True, overwrite=False)  # the interrupted run as it was: it can continue
+            claim(resumed, resume=True, overwrite=False)  # the interrupted run as it was: it can continue
         else:
             with pytest.raises(WorkbenchError, match="nothing to resume|no complete checkpoint"):
-                resume.claim(resume=True, overwrite=False)
-        resume.release()
+                claim(resumed, resume=True, overwrite=False)
+        resumed.release()
         check_output_dir(recipe.override(f"output.dir={state}"))  # an --overwrite is accepted ...
         again = RunDir(state)
         again.claim(resume=False, overwrite=True)

@@ -1,5 +1,9 @@
 """Resuming a run: every question a resumed run answers against the run it continues, in one place.
 
+Whether there is a run to continue at all is answered first: `claim` takes the run directory and refuses a resume of
+a run that completed or never saved a checkpoint; `auto_resume` says what `--resume auto` does (a completed run is
+done only for its own recipe: another one is refused as `check_resume` refuses it).
+
 `ResumePlan.start` reads the run once and answers them as the run gets to each (a new run's plan passes them all):
 
 - the recipe (`check_resume`): settings that change what is trained, on which data, or the schedule it follows
@@ -144,7 +148,7 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
     changed = {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
     refused = {k: v for k, v in changed.items() if not _safe(k) and (k not in BATCH_KEYS or batch_problem)}
     if refused:
-        listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+        listed = _listed([line for key, (a, b) in refused.items() for line in _described(key, a, b)])
         raise RecipeError(f"--resume: the recipe differs from the run's own ({run.recipe}) in what it trains: "
                           f"{listed}{f' ({batch_problem})' if batch_problem else ''}. Resume with the run's recipe, or "
                           "start a new run (another name or --overwrite). A resume may change only "
@@ -282,22 +286,73 @@ def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _show(value) -> str:
+    """A value in one line, 60 characters at most: both ends kept, where a path keeps its file's name."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= 60 else text[:28] + "..." + text[-29:]
 
 
-# -- --resume auto ------------------------------------------------------------------------------
+LISTED_CHANGES = 12  # changes a refusal names one by one (the rest counted): its line stays readable
+
+
+def _described(key: str, old, new) -> list[str]:
+    """`key: old -> new`, walked into mappings and lists down to the values that differ, so that a change inside a
+    list of sources is named precisely (data.train[1].weight: 1.0 -> 3.0) instead of as two long lists."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for k in sorted(set(old) | set(new), key=str) if old.get(k) != new.get(k)
+                for line in _described(f"{key}.{k}", old.get(k), new.get(k))]
+    if isinstance(old, list) and isinstance(new, list):
+        both = [(old[i] if i < len(old) else None, new[i] if i < len(new) else None)
+                for i in range(max(len(old), len(new)))]
+        return [line for i, (a, b) in enumerate(both) if a != b for line in _described(f"{key}[{i}]", a, b)]
+    return [f"{key}: {_show(old)} -> {_show(new)}"]
+
+
+def _listed(lines: list[str]) -> str:
+    more = len(lines) - LISTED_CHANGES
+    return "; ".join(lines[:LISTED_CHANGES]) + (f"; and {more} more" if more > 0 else "")
+
+
+# -- whether there is a run to continue ------------------------------------------------------------------------
 
 AUTO_RESUME = "auto"
 
 
-def auto_resume(run: RunDir) -> str:
+def check_flags(resume: bool | str, overwrite: bool) -> None:
+    """RecipeError for a --resume that names anything but `auto`; WorkbenchError for --resume with --overwrite."""
+    if resume not in (True, False, AUTO_RESUME):
+        raise RecipeError(f"--resume: expects nothing or `auto`, got {resume!r}")
+    if resume and overwrite:
+        raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
+
+
+def claim(run: RunDir, resume: bool, overwrite: bool) -> None:
+    """Take the run directory for this process (RunDir.claim: the lock, and a run there is taken only to continue
+    or replace it) and, resuming, refuse a run that has nothing to continue: none there, one that completed, or
+    one that stopped before its first checkpoint. Deletes nothing but checkpoint writes a crash cut short."""
+    check_flags(resume, overwrite)
+    if resume and not run.holds_files():
+        raise WorkbenchError(f"{run.path}: nothing to resume (no such run directory)")
+    run.claim(resume=resume, overwrite=overwrite)
+    if not resume:
+        return
+    if run.completed():
+        raise WorkbenchError(f"{run.path}: the run has completed; nothing to resume (--overwrite to train it again)")
+    if run.latest_checkpoint() is None:
+        raise WorkbenchError(f"{run.path}: no complete checkpoint to resume from (the run stopped before its first "
+                             "save); --overwrite starts it again")
+    run.drop_cut_short_checkpoints()
+
+
+def auto_resume(recipe: Recipe, run: RunDir, world_size: int) -> str:
     """What `--resume auto` does with this run directory, the same answer on every rank (nothing is written
     before they all decide): "resume" (a complete checkpoint of an unfinished run), "done" (the run completed:
     a requeued or restarted job has nothing left to do), "replace" (an earlier start died before its first
-    checkpoint: its files are replaced, as by --overwrite) or "new" (nothing there yet)."""
-    summary = run.read_json().get("summary", {})
-    if summary.get("status") == "completed":
+    checkpoint: its files are replaced, as by --overwrite) or "new" (nothing there yet).
+
+    A completed run is "done" only for its own recipe: another one is refused as --resume refuses it
+    (check_resume's RecipeError), or the run's old adapter would pass for what the new recipe trains."""
+    if run.completed():
+        check_resume(recipe, run, world_size)
         return "done"
     if run.latest_checkpoint() is not None:
         return "resume"

@@ -91,16 +91,10 @@ class RunDir:
 
     def claim(self, resume: bool, overwrite: bool) -> None:
         """Take the run directory for this process (a lock held until it exits) and refuse what would clobber
-        a run by mistake. Deletes nothing: an --overwrite clears the folder later (`clear`), once the new
-        recipe, data and model have been checked."""
-        if resume and overwrite:
-            raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
-        try:
-            exists = self.path.exists() and any(self.path.iterdir())
-        except OSError as err:
-            raise WorkbenchError(f"{self.path}: {err.strerror or err}") from None
-        if resume and not exists:
-            raise WorkbenchError(f"{self.path}: nothing to resume (no such run directory)")
+        a run by mistake: a folder that holds one is taken only to continue it (`resume`) or replace it
+        (`overwrite`). Deletes nothing: an --overwrite clears the folder later (`clear`), once the new recipe,
+        data and model have been checked. Whether a resume can continue the run is resume.claim's answer."""
+        exists = self.holds_files()
         if exists and not (resume or overwrite):
             raise WorkbenchError(
                 f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it")
@@ -113,16 +107,22 @@ class RunDir:
         self._lock.acquire()
         if exists and (overwrite or self.run_json.exists()):
             self.check_record()
-        if resume:
-            status = self.read_json().get("summary", {}).get("status")
-            if status == "completed":
-                raise WorkbenchError(f"{self.path}: the run has completed; nothing to resume (--overwrite to train "
-                                     "it again)")
-            if self.latest_checkpoint() is None:
-                raise WorkbenchError(f"{self.path}: no complete checkpoint to resume from (the run stopped before "
-                                     "its first save); --overwrite starts it again")
-            for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):  # a write a crash cut short
-                shutil.rmtree(stale, ignore_errors=True)
+
+    def holds_files(self) -> bool:
+        """Whether the run directory exists with anything in it."""
+        try:
+            return self.path.exists() and any(self.path.iterdir())
+        except OSError as err:
+            raise WorkbenchError(f"{self.path}: {err.strerror or err}") from None
+
+    def completed(self) -> bool:
+        """Whether run.json records the run as completed."""
+        return self.read_json().get("summary", {}).get("status") == "completed"
+
+    def drop_cut_short_checkpoints(self) -> None:
+        """Remove the checkpoint writes a crash cut short (never published, so never resumed from)."""
+        for stale in self.checkpoints.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def check_record(self) -> None:
         """Refuse a folder whose run.json another tool wrote: its files are not a run's to continue or replace."""

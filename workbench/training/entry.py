@@ -6,11 +6,12 @@ import os
 import time
 
 from .. import heap
-from ..errors import RecipeError, WorkbenchError
+from ..errors import RecipeError
 from ..cluster.env import check_launch_env
 from ..quiet import leaves_the_process_as_found, quiet_libraries
 from ..recipe import Recipe
-from ..resume import AUTO_RESUME, auto_resume
+from ..hardware.current import world_size_from_env
+from ..resume import AUTO_RESUME, auto_resume, check_flags
 from ..runs import RunDir, TrainResult, read_result
 from .session import TrainingSession
 
@@ -34,13 +35,10 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool | str = Fal
         raise RecipeError(f"train: expects a Recipe, a mapping or a recipe file, got {type(recipe).__name__}")
     quiet_libraries()
     check_launch_env()  # a half-configured launch (RANK without WORLD_SIZE) is refused before anything loads
-    if resume not in (True, False, AUTO_RESUME):
-        raise RecipeError(f"--resume: expects nothing or `auto`, got {resume!r}")
-    if resume and overwrite:
-        raise WorkbenchError("--resume and --overwrite contradict each other: continue the run, or replace it")
+    check_flags(resume, overwrite)
     auto = resume == AUTO_RESUME or (recipe.training.resume == AUTO_RESUME and not resume and not overwrite)
     if auto:
-        decision = auto_resume(RunDir(recipe.run_dir))
+        decision = auto_resume(recipe, RunDir(recipe.run_dir), world_size_from_env())
         if decision == "done":  # a job restarted after its run completed: nothing left to train
             print(f"{recipe.run_dir}: the run has completed; nothing to resume", flush=True)
             return read_result(recipe.run_dir)

@@ -42,7 +42,7 @@ from ..models import attach_adapter, count_parameters, load_base_model, load_con
 from ..precision import compute_dtype_of, resolve_recipe
 from ..preflight import check_disk_space, preflight
 from ..recipe import Recipe
-from ..resume import ResumePlan, agree_on_resume
+from ..resume import ResumePlan, agree_on_resume, claim
 from ..runs import RunDir, TrainResult, environment, process_owner, read_result
 from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from ..layout_choice import resolve as resolve_layout
@@ -117,7 +117,7 @@ class TrainingSession:
         run, accelerator = self.run_dir, self.accelerator
         try:
             if self.main:
-                run.claim(resume=self.resume, overwrite=self.overwrite)  # the lock; refusals; nothing deleted yet
+                claim(run, resume=self.resume, overwrite=self.overwrite)  # the lock; refusals; nothing deleted yet
             accelerator.wait_for_everyone()
             with StopRequest() as self.stop:
                 self.setup_data()
