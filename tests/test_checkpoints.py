@@ -3,6 +3,7 @@ step, damaged files (one clear error, nothing in the run touched), the samples p
 count keeps, and which errors count as a peer's failure."""
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -216,3 +217,69 @@ def test_a_pickle_in_a_checkpoint_is_never_loaded(tmp_path, written_by):
         s = run(target, "training.max_steps=4", "output.save_every=2", resume=True)
         assert s["steps"] == 4 and losses(target) == pytest.approx(losses(whole), rel=1e-5)
     assert not marker.exists()
+
+
+def _edit(checkpoint, name: str, change) -> None:
+    path = checkpoint / name
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _both_steps(data, step) -> None:
+    data["step"] = data["progress"]["step"] = step
+
+
+# (file, edit, the field the refusal names, the resume's micro-batch x accumulation: 1 x 4 loads the engine's own
+# files, 2 x 2 the portable copy)
+TAMPERED = {
+    "negative-step": ("workbench_checkpoint.json", lambda m: _both_steps(m, -3), r"json: step: .*got -3", (1, 4)),
+    "step-of-another-folder": ("workbench_checkpoint.json", lambda m: _both_steps(m, 1), r"step: 1, in the folder of "
+                               r"step 2", (1, 4)),
+    "progress-a-string": ("workbench_checkpoint.json", lambda m: m.update(progress="x"), r"progress: .*got 'x'", (1, 4)),
+    "window-a-number": ("workbench_checkpoint.json", lambda m: m["progress"].update(window=5), r"progress\.window: ",
+                        (1, 4)),
+    "window-sums-text": ("workbench_checkpoint.json", lambda m: m["progress"]["window"].update(sums=["a"]),
+                         r"progress\.window\.sums\[0\]: ", (1, 4)),
+    "count-as-text": ("workbench_checkpoint.json", lambda m: m.update(world_size="1"), r"world_size: .*got '1'", (1, 4)),
+    "schedule-missing": ("workbench_checkpoint.json", lambda m: m["scheduler"].pop("last_epoch"),
+                         r"scheduler\.last_epoch: Field required", (1, 4)),
+    "unknown-key": ("workbench_checkpoint.json", lambda m: m.update(note=1), r"note: Extra inputs", (1, 4)),
+    "past-the-epoch": ("workbench_checkpoint.json", lambda m: m["progress"].update(batches_in_epoch=10 ** 9),
+                       r"past the end of its epoch \(workbench_checkpoint\.json: progress\.batches_in_epoch: "
+                       r"1000000000", (1, 4)),
+    "portable-past-the-epoch": ("portable.json", lambda m: m.update(samples_in_epoch=10 ** 9),
+                                r"past the end of its epoch \(portable\.json: samples_in_epoch: 1000000000", (2, 2)),
+    "portable-negative-step": ("portable.json", lambda m: m["progress"].update(step=-3), r"progress\.step: .*-3",
+                               (2, 2)),
+    "portable-adam-step": ("portable.json", lambda m: m.update(adam_step=7), r"adam_step: 7, more than its 2 steps",
+                           (2, 2)),
+}
+
+
+def test_a_tampered_checkpoint_record_is_one_line_naming_its_file_and_field(tmp_path):
+    """workbench_checkpoint.json and portable.json are read through their schema before anything loads: a wrong
+    type, a negative step or a place past the epoch is refused in one line, and the run is left as it was (before,
+    a negative step trained extra steps, a place past the epoch skipped the rest of it unseen, a wrong type was a
+    traceback)."""
+    whole = tmp_path / "whole"
+    steps = ["training.max_steps=4", "output.save_every=2"]
+    run(whole, *steps, "training.micro_batch_size=1", "training.grad_accum=4")
+    for case, (name, change, field, (micro, accum)) in TAMPERED.items():
+        target = interrupted_copy(whole, tmp_path / case, 2)
+        _edit(RunDir(target).checkpoint(2), name, change)
+        before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+        with pytest.raises(WorkbenchError) as err:
+            run(target, *steps, f"training.micro_batch_size={micro}", f"training.grad_accum={accum}", resume=True)
+        message = str(err.value)
+        assert f"checkpoint {RunDir(target).checkpoint(2)}" in message and "\n" not in message, case
+        assert re.search(field, message), (case, message)
+        assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before, case
+
+
+def test_the_checkpoint_schema_reads_every_field_the_loop_saves():
+    from workbench.checkpoints import ProgressState
+    from workbench.training.parts import Progress
+
+    assert set(ProgressState.model_fields) == set(Progress().state_dict())
+    ProgressState.model_validate(Progress().state_dict())  # a new run's state, its window empty

@@ -24,16 +24,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import time
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from safetensors.torch import load_file, save_file
 
 from .distributed import unwrap
 from .errors import WorkbenchError
-from .runs import RunDir, write_json_atomic
+from .runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
 from .strategies import Layout
 
 if TYPE_CHECKING:
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
 META = "workbench_checkpoint.json"
 PORTABLE_TENSORS, PORTABLE_META = "portable.safetensors", "portable.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
+_SHORT = reprlib.Repr()  # a value quoted in a message stays short, however big it is
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 2, 4, 4
 
 
 def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, batch: tuple[int, int],
@@ -81,17 +85,153 @@ def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progr
 
 
 def read_meta(path: Path) -> dict:
-    """workbench_checkpoint.json, checked: a checkpoint without a readable one is damaged."""
+    """workbench_checkpoint.json, checked against what the workbench writes (CheckpointMeta): a checkpoint
+    without a readable, well-formed one is damaged, and the message names the field."""
+    meta = _read_json(path, META, CheckpointMeta)
+    if len(meta) > 1:  # the oldest hold their step alone; every later one says what wrote it
+        for key in ("layout", "world_size", "micro_batch_size"):
+            if key not in meta:
+                raise _damaged(path, META, key, "missing (every checkpoint that records more than its step has it)")
+    if meta["step"] != _folder_step(path, meta["step"]):  # the folder is where the resume starts counting from
+        raise _damaged(path, META, "step", f"{meta['step']}, in the folder of step {_folder_step(path, None)}")
+    if "progress" in meta:
+        _check_progress(path, META, meta["progress"], meta["step"])
+    return meta
+
+
+def _folder_step(path: Path, otherwise: int | None) -> int | None:
+    """The step the checkpoint's folder is named after (step-N); `otherwise` for a folder named otherwise."""
+    number = path.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(number) if number.isdigit() else otherwise
+
+
+def _check_progress(path: Path, name: str, progress: dict, step: int) -> None:
+    """What ties the loop's fields to each other and to the checkpoint's step."""
+    if progress["step"] != step:
+        raise _damaged(path, name, "progress.step", f"{progress['step']}, in the checkpoint of step {step}")
+    if progress.get("skipped_steps", 0) > step:
+        raise _damaged(path, name, "progress.skipped_steps", f"{progress['skipped_steps']}, more than its {step} steps")
+
+
+def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
+    """The JSON file `name` of checkpoint `path`, validated by `schema`; a WorkbenchError naming the file and the
+    field otherwise. Returned as read: the schema is strict, so what passed holds the types it names."""
     try:
-        meta = json.loads((path / META).read_text())
-        meta["step"] = int(meta["step"])
-        if "layout" in meta or len(meta) > 1:
-            meta["world_size"], meta["micro_batch_size"] = int(meta["world_size"]), int(meta["micro_batch_size"])
-            Layout.from_json(meta["layout"])
-        return meta
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise WorkbenchError(f"--resume: checkpoint {path} is damaged ({META}: {type(err).__name__}: {err}); "
-                             "delete it to resume from the one before") from None
+        data = json.loads((path / name).read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError) as err:
+        raise _damaged(path, name, None, f"{type(err).__name__}: {err}") from None
+    try:
+        schema.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+        problem = first["msg"].removeprefix("Value error, ")
+        if "input" in first and first["type"] != "missing" and not isinstance(first["input"], dict):
+            problem += f", got {_SHORT.repr(first['input'])}"
+        raise _damaged(path, name, field or None, problem) from None
+    return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON holds")  # json reads NaN and Infinity unless told not to
+
+
+def _damaged(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
+    where = f"{name}: {field}" if field else name
+    return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from the "
+                          "one before")
+
+
+# -- what the JSON files hold ----------------------------------------------------------------------
+
+
+class _Written(BaseModel):
+    """Exactly what the workbench writes: a key no version writes, or a count given as "3", 3.5 or true, is
+    damage, refused here in one line rather than as a traceback (or a wrong run) once the state loads."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class WindowState(_Written):
+    """The metrics window a checkpoint cut in two (Progress.window), summed over the processes: the objective's
+    sums (or, written before objectives kept sums, the loss and its targets), tokens and seconds."""
+
+    sums: list[Finite] | None = Field(None, min_length=1)
+    loss: Finite | None = None
+    targets: Finite | None = None
+    tokens: Count
+    seconds: Amount
+
+    @model_validator(mode="after")
+    def _a_loss(self):
+        if self.sums is None and (self.loss is None or self.targets is None):
+            raise ValueError("a window holds its sums (or its loss and targets)")
+        return self
+
+
+class ProgressState(_Written):
+    """Where the loop was (training/parts.py Progress; the fields an earlier version did not write default)."""
+
+    step: Count
+    epoch: Count = 0
+    batches_in_epoch: Count = 0
+    tokens: Count = 0
+    train_seconds: Amount = 0.0
+    flops: Amount = 0.0
+    skipped_steps: Count = 0
+    window: WindowState | None = None  # {}: none open
+
+    _nothing_open = field_validator("window", mode="before")(lambda value: None if value == {} else value)
+
+
+class SchedulerState(_Written):
+    """The schedule's state (torch's LambdaLR state_dict less its functions); its private keys vary with torch."""
+
+    model_config = ConfigDict(extra="allow")
+    base_lrs: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(min_length=1)
+    last_epoch: Count
+
+
+class LayoutState(_Written):
+    """strategies.Layout.to_json."""
+
+    strategy: Literal["single", "ddp", "fsdp", "deepspeed"]
+    stage: Annotated[int, Field(ge=0, le=3)] = 0
+    hybrid: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    name: str | None = None
+    shards: list[str] = []
+    offloads: list[str] = []
+
+
+class CheckpointMeta(_Written):
+    """workbench_checkpoint.json. The oldest checkpoints hold only their step (resume.choose refuses them by name);
+    every later one the layout, processes and micro-batch that wrote it; this version's the loop and schedule too."""
+
+    step: Count
+    layout: LayoutState | None = None
+    world_size: Positive | None = None
+    micro_batch_size: Positive | None = None
+    grad_accum: Positive | None = None
+    portable: bool = False
+    progress: ProgressState | None = None
+    scheduler: SchedulerState | None = None
+
+
+class PortableMeta(_Written):
+    """portable.json: the loop and schedule, AdamW's step count and the samples read of the epoch."""
+
+    progress: ProgressState
+    scheduler: SchedulerState
+    adam_step: Amount
+    samples_in_epoch: Count
 
 
 def pickled_files(path: Path) -> list[str]:
@@ -109,15 +249,16 @@ def read_portable(path: Path, model) -> dict:
     from safetensors import safe_open
 
     damaged = f"--resume: checkpoint {path} is damaged"
+    portable = _read_json(path, PORTABLE_META, PortableMeta)
+    step = _folder_step(path, portable["progress"]["step"])
+    _check_progress(path, PORTABLE_META, portable["progress"], step)
+    if portable["adam_step"] > step:  # one AdamW step for each step that was not skipped
+        raise _damaged(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
     try:
-        portable = json.loads((path / PORTABLE_META).read_text())
-        for key in ("progress", "scheduler", "adam_step", "samples_in_epoch"):
-            portable[key]  # noqa: B018  present
-        int(portable["samples_in_epoch"]), float(portable["adam_step"])
         with safe_open(str(path / PORTABLE_TENSORS), framework="pt") as tensors:
             shapes = {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}
     except Exception as err:  # noqa: BLE001  any unreadable part: one message
-        raise WorkbenchError(f"{damaged} ({PORTABLE_META} / {PORTABLE_TENSORS}: {type(err).__name__}: {err}); "
+        raise WorkbenchError(f"{damaged} ({PORTABLE_TENSORS}: {type(err).__name__}: {err}); "
                              "delete it to resume from the one before") from None
     for name, param in model.named_parameters():
         if not param.requires_grad:

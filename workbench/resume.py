@@ -26,6 +26,7 @@ done only for its own recipe: another one is refused as `check_resume` refuses i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
     here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
     same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
+    _check_place(path, meta, samples_per_epoch)
     if same and not pickles:
         return CheckpointChoice(path, "exact", meta)
     # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
@@ -244,6 +246,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise WorkbenchError(f"--resume: checkpoint {path.name} was written by {where} and this run is {here}: "
                              f"{problem}")
     portable = checkpoints.read_portable(path, model)
+    _check_place(path, meta, samples_per_epoch, portable)
     if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
         raise WorkbenchError(
             f"--resume: checkpoint {path.name} ({where}) stopped {portable['samples_in_epoch']} samples into its "
@@ -251,6 +254,26 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
             "over all processes); resume on the process count that wrote it, or with a micro-batch that divides "
             "that count")
     return CheckpointChoice(path, "portable", meta, portable)
+
+
+def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dict | None = None) -> None:
+    """The checkpoint's place in its epoch lies within the epoch this run's data gives (a stream's has no known
+    end): a place past it would skip the rest of the epoch unseen. Counted in the micro-batches of the processes
+    that wrote it (and, in portable.json, in samples)."""
+    if math.isinf(samples_per_epoch):
+        return
+    per_round = meta["micro_batch_size"] * meta["world_size"]
+    rounds = math.ceil(samples_per_epoch / per_round)
+    places = [(checkpoints.META, "progress.batches_in_epoch", meta.get("progress", {}).get("batches_in_epoch"), rounds)]
+    if portable is not None:
+        places.append((checkpoints.PORTABLE_META, "samples_in_epoch", portable["samples_in_epoch"], rounds * per_round))
+    for name, key, value, end in places:
+        if value is not None and value > end:
+            raise WorkbenchError(
+                f"--resume: checkpoint {path} lies past the end of its epoch ({name}: {key}: {value}, where this "
+                f"run's {samples_per_epoch:.0f} training rows make {rounds} micro-batches of {meta['micro_batch_size']} "
+                f"x {meta['world_size']} process(es)); it is damaged, or the data changed since it was written: "
+                "delete it to resume from the one before, or resume with the data it was written on")
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:
