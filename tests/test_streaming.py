@@ -263,3 +263,57 @@ def test_a_preview_that_stops_at_an_opening_with_nothing_to_learn_says_so(tiny_r
     with pytest.raises(DataError, match=r"every sample loses its whole answer .* \(in the first 20 rows of the "
                                         r"stream, all a preview reads; a run reads on past them\)"):
         preview_data(tiny_recipe.override(*STREAMED, f"data.train={source}"))
+
+
+def _rewritten_in_place(path) -> None:
+    """Other rows in the same bytes' count and the same file (only its modification time tells)."""
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(reversed(lines)) + "\n")
+
+
+def test_a_touched_source_reads_on_and_a_rewritten_one_is_refused_when_the_stream_opens_it(tiny_recipe, tmp_path):
+    import os
+    import shutil
+
+    source = tmp_path / "rows.jsonl"
+    shutil.copy("recipes/data/tiny_chat.jsonl", source)
+    recipe = tiny_recipe.override(*STREAMED, f"data.train={source}")
+    data = streaming.stream_data(recipe.data, load_tokenizer(recipe.model), seed=0)
+    first = samples_of(list(data.train.examples(0)))
+    os.utime(source, ns=(1, 1))  # its stamp moved, its bytes did not: hashed again, and read on
+    assert samples_of(list(data.train.examples(1))) == first
+    size = source.stat().st_size
+    _rewritten_in_place(source)
+    assert source.stat().st_size == size
+    with pytest.raises(DataError, match=rf"^{re.escape(str(source))}: changed while the run reads it as a stream"):
+        list(data.train.examples(2))
+    source.unlink()
+    with pytest.raises(DataError, match=rf"^{re.escape(str(source))}: removed while the run reads it"):
+        list(data.train.examples(3))
+
+
+@pytest.mark.slow
+def test_a_source_rewritten_mid_run_stops_the_run_naming_it_before_an_epoch_reads_it(tmp_path, capsys, monkeypatch):
+    """Rewritten while epoch 0 trains: epoch 1 would read other rows than those whose hash run.json records."""
+    import shutil
+
+    source = tmp_path / "rows.jsonl"
+    shutil.copy("recipes/data/tiny_chat.jsonl", source)
+    recorded = streaming.source_fingerprint(str(source), "train")
+    examples = StreamedExamples.examples
+
+    def rewritten_before_epoch_1(self, epoch):
+        if epoch == 1:
+            _rewritten_in_place(source)
+        return examples(self, epoch)
+
+    monkeypatch.setattr(StreamedExamples, "examples", rewritten_before_epoch_1)
+    run = tmp_path / "run"
+    # 200 rows pack into 75, 8 a step: an epoch is 10 steps
+    code = main(["train", "recipes/tiny.yaml", *STREAMED, f"data.train={source}", "training.max_steps=14",
+                 "output.save_every=5", "training.threads=1", f"output.dir={run}", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == DataError.exit_code and f"{source}: changed while the run reads it as a stream" in err, err
+    summary = RunDir(run).read_json()["summary"]
+    assert summary["status"] == "failed" and summary["train_sha256"] == recorded
+    assert RunDir(run).latest_checkpoint()[0] == 10  # epoch 0's steps were trained and kept

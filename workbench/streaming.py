@@ -13,7 +13,9 @@ several times over. A stream reads rows as training asks for them:
 
 Every process reads the whole stream and keeps its own micro-batches, so a step holds the same samples on any
 process count, and a resumed run reads the epoch again up to where it stopped: the same rows, the same
-packing, exactly. Memory holds the two buffers, never the file; nothing is written to disk.
+packing, exactly. Memory holds the two buffers, never the file; nothing is written to disk. The file is hashed
+once, before the first row is read (the hash run.json records and a resume checks); each later opening of the
+stream, and each end of it, checks with a stat that the file is still the one hashed (`check_unchanged`).
 
 What a stream cannot know is its length: a streamed run needs training.max_steps (an epoch is one pass, and the
 next epoch reads the source again in another order). What needs the whole source up front is refused by
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import random
 from pathlib import Path
 from typing import Iterator
@@ -119,6 +122,16 @@ def source_fingerprint(path: str, split: str) -> str:
     return digest.hexdigest()
 
 
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """What says, at the cost of one stat, that a local file is still the one that was hashed: its identity, size
+    and modification time (None: not a local file, or none there any more)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
+
+
 # -- examples -----------------------------------------------------------------------------------------------------
 
 
@@ -141,6 +154,38 @@ class StreamedExamples:
         self.rows = rows.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
         self.read = {"samples": 0, "empty": 0, "cut": 0}  # in the epoch being read
         self.primed: tuple[Iterator[dict], dict] | None = None
+        self.hashed: tuple[tuple | None, str] | None = None  # (the file's stamp, its content hash): `fingerprint`
+
+    def fingerprint(self) -> str:
+        """data.train's content hash (source_fingerprint), which the run records; the file's stamp is kept with it,
+        so that every later opening of the stream can tell, without hashing, that it reads those bytes."""
+        before = _stamp(self.cfg.train)
+        digest = source_fingerprint(self.cfg.train, self.cfg.split)
+        if _stamp(self.cfg.train) != before:
+            raise DataError(f"{self.cfg.train}: changed while its content hash was taken; start the run again once "
+                            "nothing writes to it")
+        self.hashed = (before, digest)
+        return digest
+
+    def check_unchanged(self) -> None:
+        """DataError unless data.train is still the file whose hash the run recorded. A stat each time the stream
+        opens or finishes the file (never per row); the file is hashed again only when its stamp moved (a touch,
+        a copy put back), and refused only when its bytes differ: an epoch read from other bytes would train on
+        data that run.json and a resume's check do not know of."""
+        if self.hashed is None or self.hashed[0] is None:  # not hashed here, or a hub data set
+            return
+        stamp, digest = self.hashed
+        now = _stamp(self.cfg.train)
+        if now == stamp:
+            return
+        if now is None:
+            raise DataError(f"{self.cfg.train}: removed while the run reads it as a stream; put it back as it was, "
+                            "or start a new run")
+        if source_fingerprint(self.cfg.train, self.cfg.split) != digest:
+            raise DataError(f"{self.cfg.train}: changed while the run reads it as a stream (its content hash differs "
+                            "from the one the run recorded when it started); put the file back as it was, or start a "
+                            "new run on the new data")
+        self.hashed = (now, digest)
 
     def open(self) -> dict:
         """Read epoch 0 up to its first row (one shuffle buffer, one packing window), kept for the loop: a bad row
@@ -158,6 +203,7 @@ class StreamedExamples:
         return self._examples(epoch)
 
     def _examples(self, epoch: int) -> Iterator[dict]:
+        self.check_unchanged()  # the stream opens the file again (each epoch, and a resumed run's)
         self.rows.set_epoch(epoch)  # datasets reseeds the buffer with seed + epoch
         self.read = dict.fromkeys(self.read, 0)
         window: list[dict] = []
@@ -176,6 +222,7 @@ class StreamedExamples:
             if len(window) == PACK_WINDOW or tokens >= PACK_WINDOW_TOKENS:
                 yield from self._rows_of(window, epoch, windows)
                 window, windows, tokens = [], windows + 1, 0
+        self.check_unchanged()  # ... and has read it to its end
         if window:
             yield from self._rows_of(window, epoch, windows)
         elif not windows:  # nothing trainable in the whole source: what the map-style path refuses, refused alike
@@ -241,8 +288,9 @@ def stream_data(cfg, tokenizer, seed: int = 0, share_prompts: bool = False, whol
     """The streamed counterpart of data.prepare_data: the training examples as a stream, the held-out file
     (data.eval) prepared as usual, and the figures known before reading (content hashes)."""
     examples = StreamedExamples(cfg, tokenizer, seed, share_prompts, whole_only)
+    fingerprint = examples.fingerprint()  # before the opening is read: every row read is of the bytes it hashed
     opening = examples.open()
-    stats = {"streaming": True, "train_sha256": source_fingerprint(cfg.train, cfg.split),
+    stats = {"streaming": True, "train_sha256": fingerprint,
              "chat_template_sha256": chat_template_digest(tokenizer),
              # what the first buffer showed: a stream counts what it leaves out as it reads
              "train_opening_rows": opening["samples"], "train_empty": opening["empty"]}
