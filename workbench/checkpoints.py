@@ -110,7 +110,8 @@ def _check_progress(path: Path, name: str, progress: dict, step: int) -> None:
     if progress["step"] != step:
         raise _damaged(path, name, "progress.step", f"{progress['step']}, in the checkpoint of step {step}")
     if progress.get("skipped_steps", 0) > step:
-        raise _damaged(path, name, "progress.skipped_steps", f"{progress['skipped_steps']}, more than its {step} steps")
+        raise _damaged(path, name, "progress.skipped_steps",
+                       f"{progress['skipped_steps']}, more than its {step} steps")
 
 
 def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
@@ -138,8 +139,8 @@ def _no_constant(name: str):
 
 def _damaged(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
     where = f"{name}: {field}" if field else name
-    return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from the "
-                          "one before")
+    return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from "
+                          "the one before")
 
 
 # -- what the JSON files hold ----------------------------------------------------------------------

@@ -264,16 +264,19 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
         return
     per_round = meta["micro_batch_size"] * meta["world_size"]
     rounds = math.ceil(samples_per_epoch / per_round)
-    places = [(checkpoints.META, "progress.batches_in_epoch", meta.get("progress", {}).get("batches_in_epoch"), rounds)]
+    placed = meta.get("progress", {}).get("batches_in_epoch")
+    places = [(checkpoints.META, "progress.batches_in_epoch", placed, rounds)]
     if portable is not None:
-        places.append((checkpoints.PORTABLE_META, "samples_in_epoch", portable["samples_in_epoch"], rounds * per_round))
+        places.append((checkpoints.PORTABLE_META, "samples_in_epoch", portable["samples_in_epoch"],
+                       rounds * per_round))
     for name, key, value, end in places:
         if value is not None and value > end:
             raise WorkbenchError(
                 f"--resume: checkpoint {path} lies past the end of its epoch ({name}: {key}: {value}, where this "
-                f"run's {samples_per_epoch:.0f} training rows make {rounds} micro-batches of {meta['micro_batch_size']} "
-                f"x {meta['world_size']} process(es)); it is damaged, or the data changed since it was written: "
-                "delete it to resume from the one before, or resume with the data it was written on")
+                f"run's {samples_per_epoch:.0f} training rows make {rounds} micro-batches of "
+                f"{meta['micro_batch_size']} x {meta['world_size']} process(es)); it is damaged, or the data changed "
+                "since it was written: delete it to resume from the one before, or resume with the data it was "
+                "written on")
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:

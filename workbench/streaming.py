@@ -182,9 +182,9 @@ class StreamedExamples:
             raise DataError(f"{self.cfg.train}: removed while the run reads it as a stream; put it back as it was, "
                             "or start a new run")
         if source_fingerprint(self.cfg.train, self.cfg.split) != digest:
-            raise DataError(f"{self.cfg.train}: changed while the run reads it as a stream (its content hash differs "
-                            "from the one the run recorded when it started); put the file back as it was, or start a "
-                            "new run on the new data")
+            raise DataError(f"{self.cfg.train}: changed while the run reads it as a stream (its content hash "
+                            "differs from the one the run recorded when it started); put the file back as it was, or "
+                            "start a new run on the new data")
         self.hashed = (now, digest)
 
     def open(self) -> dict:
