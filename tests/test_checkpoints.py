@@ -247,6 +247,8 @@ TAMPERED = {
     "schedule-missing": ("workbench_checkpoint.json", lambda m: m["scheduler"].pop("last_epoch"),
                          r"scheduler\.last_epoch: Field required", (1, 4)),
     "unknown-key": ("workbench_checkpoint.json", lambda m: m.update(note=1), r"note: Extra inputs", (1, 4)),
+    "key-across-lines": ("workbench_checkpoint.json", lambda m: m.update({"a\nb": 1}), r"'a\\nb': Extra inputs",
+                         (1, 4)),
     "past-the-epoch": ("workbench_checkpoint.json", lambda m: m["progress"].update(batches_in_epoch=10 ** 9),
                        r"past the end of its epoch \(workbench_checkpoint\.json: progress\.batches_in_epoch: "
                        r"1000000000", (1, 4)),

@@ -125,12 +125,17 @@ def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
         schema.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{_key(part)}" for part in first["loc"]).lstrip(".")
         problem = first["msg"].removeprefix("Value error, ")
         if "input" in first and first["type"] != "missing" and not isinstance(first["input"], dict):
             problem += f", got {_SHORT.repr(first['input'])}"
         raise _damaged(path, name, field or None, problem) from None
     return data
+
+
+def _key(name: str) -> str:
+    """A key as the message shows it: quoted where it would break the line or run long (a key the file made up)."""
+    return name if name.isprintable() and len(name) <= 40 else _SHORT.repr(name)
 
 
 def _no_constant(name: str):
