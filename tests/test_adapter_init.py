@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from workbench import train
 from workbench.adapter_init import InitialAdapter, converted_config
 from workbench.cli import main
-from workbench.errors import RecipeError
+from workbench.errors import RecipeError, WorkbenchError
 from workbench.model_configs import target_modules
 from workbench.models import attach_adapter, load_base_model
 from workbench.recipe import Recipe
@@ -168,6 +168,28 @@ def test_lora_plus_keeps_its_rates_through_the_schedule_and_a_new_lr():
     assert scheduler.base_lrs == pytest.approx([5e-5, embedding, 16 * 5e-5])
     rates = [g["lr"] for g in optimizer.param_groups]
     assert rates == pytest.approx([rates[0] * p / 5e-5 for p in scheduler.base_lrs]) and rates[0] > 0
+
+
+def test_a_checkpoint_with_other_learning_rate_groups_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    import json
+
+    whole = train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
+                       "output.save_every=2", "output.eval_every=null", out=tmp_path / "run"), progress_bar=False)
+    run = RunDir(whole.run_dir)
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})  # as a killed run leaves it
+    meta = run.checkpoint(2) / "workbench_checkpoint.json"
+    written = json.loads(meta.read_text())
+    # as LoRA+ wrote it before the embedding factors had a group of their own: A's rate and B's
+    written["scheduler"]["base_lrs"] = written["scheduler"]["base_lrs"][::2]
+    meta.write_text(json.dumps(written))
+    before = {name: (run.path / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+    with pytest.raises(WorkbenchError, match=r"step-2 holds 2 learning-rate groups and this run 3 ") as refused:
+        train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
+                   "output.save_every=2", "output.eval_every=null", out=tmp_path / "run"), resume=True,
+              progress_bar=False)
+    assert "\n" not in str(refused.value)
+    assert {name: (run.path / name).read_bytes() for name in before} == before
 
 
 @pytest.mark.parametrize("overrides, message", [
