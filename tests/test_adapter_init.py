@@ -46,11 +46,14 @@ def test_each_init_is_pefts_own_for_the_same_seed(init, peft_value):
         assert not torch.equal(ours[q_proj], plain[q_proj.replace("base_model.model.", "").replace(".base_layer", "")])
 
 
-@pytest.mark.parametrize("init, rslora", [("pissa", False), ("olora", True)])
-def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_path, init, rslora):
+@pytest.mark.parametrize("init, rslora, targets", [
+    ("pissa", False, "all-linear"), ("olora", True, "all-linear"),
+    ("pissa", False, "[embed_tokens,q_proj,down_proj]"),  # the embedding's base stays as published
+])
+def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_path, init, rslora, targets):
     from peft import PeftModel
 
-    recipe = tiny(f"adapter.init={init}", f"adapter.rslora={str(rslora).lower()}")
+    recipe = tiny(f"adapter.init={init}", f"adapter.rslora={str(rslora).lower()}", f"adapter.target_modules={targets}")
     torch.manual_seed(0)
     model = attach_adapter(load_base_model(recipe), recipe)
     start = InitialAdapter.of(model)

@@ -227,13 +227,16 @@ class InitialAdapter:
         converted = dict(state)
         initial = {_plain(name): tensor for name, tensor in self.weights.items()}
         for name, tensor in state.items():
-            start = initial.get(_plain(name))
-            if start is None:
+            if ".lora_embedding_A." in name or ".lora_embedding_B." in name:
+                # an embedding's base is left alone (peft starts its factors at A = 0 under every init): its delta
+                # is BA, padded with zeros to the rank the converted config gives every layer
+                start = torch.zeros_like(tensor)
+            elif (start := initial.get(_plain(name))) is None:
                 continue
             start = start.to(tensor.dtype)
-            if ".lora_A." in name:
+            if ".lora_A." in name or ".lora_embedding_A." in name:
                 converted[name] = torch.cat([tensor, start], dim=0)
-            elif ".lora_B." in name:
+            elif ".lora_B." in name or ".lora_embedding_B." in name:
                 converted[name] = torch.cat([tensor, -start], dim=1)
         return converted
 
