@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from workbench import train
-from workbench.adapter_init import InitialAdapter, converted_config, parameter_groups
+from workbench.adapter_init import InitialAdapter, converted_config
 from workbench.cli import main
-from workbench.errors import RecipeError
+from workbench.errors import RecipeError, WorkbenchError
 from workbench.model_configs import target_modules
 from workbench.models import attach_adapter, load_base_model
 from workbench.recipe import Recipe
@@ -46,11 +46,14 @@ def test_each_init_is_pefts_own_for_the_same_seed(init, peft_value):
         assert not torch.equal(ours[q_proj], plain[q_proj.replace("base_model.model.", "").replace(".base_layer", "")])
 
 
-@pytest.mark.parametrize("init, rslora", [("pissa", False), ("olora", True)])
-def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_path, init, rslora):
+@pytest.mark.parametrize("init, rslora, targets", [
+    ("pissa", False, "all-linear"), ("olora", True, "all-linear"),
+    ("pissa", False, "[embed_tokens,q_proj,down_proj]"),  # the embedding's base stays as published
+])
+def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_path, init, rslora, targets):
     from peft import PeftModel
 
-    recipe = tiny(f"adapter.init={init}", f"adapter.rslora={str(rslora).lower()}")
+    recipe = tiny(f"adapter.init={init}", f"adapter.rslora={str(rslora).lower()}", f"adapter.target_modules={targets}")
     torch.manual_seed(0)
     model = attach_adapter(load_base_model(recipe), recipe)
     start = InitialAdapter.of(model)
@@ -103,31 +106,93 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_and_a_new_lr():
+EMBEDDING_AND_LINEARS = "adapter.target_modules=[embed_tokens,q_proj,v_proj,down_proj]"
+
+
+def _biased_base(recipe):
+    """The tiny model with biases on its attention and MLP layers, which a module trained in full carries."""
+    base = load_base_model(recipe)
+    config = base.config
+    config.attention_bias = config.mlp_bias = True
+    torch.manual_seed(0)
+    return type(base)(config)
+
+
+@pytest.mark.parametrize("overrides, base", [
+    ([], load_base_model),  # the Linears only
+    ([EMBEDDING_AND_LINEARS], load_base_model),
+    ([EMBEDDING_AND_LINEARS, "adapter.method=dora"], load_base_model),  # magnitudes on the embedding and Linears
+    ([EMBEDDING_AND_LINEARS, "adapter.modules_to_save=[norm,o_proj]"], _biased_base),  # a norm, a bias, trained whole
+])
+def test_lora_plus_puts_every_parameter_at_pefts_rate_and_weight_decay(overrides, base):
     from peft.optimizers import create_loraplus_optimizer
 
+    from workbench.training.parts import build_optimizer
+
+    recipe = tiny("adapter.lora_plus_ratio=16", "training.lr=1e-4", "training.weight_decay=0.1",
+                  "adapter.lora_plus_lr_embedding=3e-6", *overrides)
+    torch.manual_seed(0)
+    model = attach_adapter(base(recipe), recipe)
+    theirs = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-4, loraplus_lr_ratio=16,
+                                       loraplus_lr_embedding=3e-6, loraplus_weight_decay=0.1).param_groups
+    ours = build_optimizer(model, recipe).param_groups
+
+    def settings(groups):
+        names = {id(p): name for name, p in model.named_parameters()}
+        return {names[id(p)]: (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+
+    expected = settings(theirs)
+    assert settings(ours) == expected
+    assert len(expected) == sum(p.requires_grad for p in model.parameters())
+    kinds = {kind: {expected[n] for n in expected if kind in n} for kind in ("lora_embedding_", "bias")}
+    if overrides:  # the cases hold what each is there for: the embedding factors at their own rate, a bias
+        assert kinds["lora_embedding_"] == {(3e-6, 0.1)}
+    if base is _biased_base:
+        assert kinds["bias"] == {(16e-4, 0.0)}
+
+
+def test_lora_plus_keeps_its_rates_through_the_schedule_and_a_new_lr():
     from workbench.training.parts import build_optimizer, build_scheduler, set_peak_lr
 
-    recipe = tiny("adapter.lora_plus_ratio=16", "training.lr=1e-4", "adapter.method=dora")
+    recipe = tiny("adapter.lora_plus_ratio=16", "training.lr=1e-4", EMBEDDING_AND_LINEARS)
     torch.manual_seed(0)
     model = attach_adapter(load_base_model(recipe), recipe)
-    ours = parameter_groups(model, recipe)
-    theirs = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-4, loraplus_lr_ratio=16).param_groups
-    by_lr = {}
-    for group in (g for g in theirs if g["params"]):  # peft's embedding group is empty here
-        by_lr.setdefault(group["lr"], set()).update(id(p) for p in group["params"])
-    assert {g["lr"]: {id(p) for p in g["params"]} for g in ours} == by_lr  # DoRA's magnitudes go with B, as peft's
-
     optimizer = build_optimizer(model, recipe)
     scheduler = build_scheduler(optimizer, recipe, total_steps=10)
+    embedding = recipe.adapter.lora_plus_lr_embedding
+    peaks = [g["lr"] for g in optimizer.param_groups]
+    assert peaks == pytest.approx([1e-4, embedding, 16e-4])  # A, the embedding factors, B
     for _ in range(3):
         optimizer.step()
         scheduler.step()
-    slow, fast = (g["lr"] for g in optimizer.param_groups)
-    assert fast == pytest.approx(16 * slow) and slow > 0
-    set_peak_lr(scheduler, 5e-5)  # a resume that lowers the rate
-    slow, fast = (g["lr"] for g in optimizer.param_groups)
-    assert fast == pytest.approx(16 * slow) and scheduler.base_lrs == pytest.approx([5e-5, 16 * 5e-5])
+    rates = [g["lr"] for g in optimizer.param_groups]
+    assert rates == pytest.approx([rates[0] * p / peaks[0] for p in peaks]) and rates[0] > 0
+    set_peak_lr(scheduler, 5e-5)  # a resume that lowers the rate: the embedding factors keep theirs
+    assert scheduler.base_lrs == pytest.approx([5e-5, embedding, 16 * 5e-5])
+    rates = [g["lr"] for g in optimizer.param_groups]
+    assert rates == pytest.approx([rates[0] * p / 5e-5 for p in scheduler.base_lrs]) and rates[0] > 0
+
+
+def test_a_checkpoint_with_other_learning_rate_groups_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    import json
+
+    whole = train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
+                       "output.save_every=2", "output.eval_every=null", out=tmp_path / "run"), progress_bar=False)
+    run = RunDir(whole.run_dir)
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})  # as a killed run leaves it
+    meta = run.checkpoint(2) / "workbench_checkpoint.json"
+    written = json.loads(meta.read_text())
+    # as LoRA+ wrote it before the embedding factors had a group of their own: A's rate and B's
+    written["scheduler"]["base_lrs"] = written["scheduler"]["base_lrs"][::2]
+    meta.write_text(json.dumps(written))
+    before = {name: (run.path / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+    with pytest.raises(WorkbenchError, match=r"step-2 holds 2 learning-rate groups and this run 3 ") as refused:
+        train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
+                   "output.save_every=2", "output.eval_every=null", out=tmp_path / "run"), resume=True,
+              progress_bar=False)
+    assert "\n" not in str(refused.value)
+    assert {name: (run.path / name).read_bytes() for name in before} == before
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -140,6 +205,8 @@ def test_lora_plus_groups_are_pefts_and_keep_their_ratio_through_the_schedule_an
     (["adapter.lora_plus_ratio=0.5"], "adapter.lora_plus_ratio"),
     (["adapter.lora_plus_ratio=1e308"], "adapter.lora_plus_ratio: Input should be less than or equal to 1024"),
     (["adapter.lora_plus_ratio=true"], "adapter.lora_plus_ratio: expected a number such as 16, got True"),
+    (["adapter.lora_plus_lr_embedding=true"], "adapter.lora_plus_lr_embedding: expected a number such as 1e-6"),
+    (["adapter.lora_plus_lr_embedding=0"], "adapter.lora_plus_lr_embedding: Input should be greater than 0"),
     (["adapter.init=pissa", "adapter.method=qlora"], "adapter.init: pissa rewrites the base weights"),
     (["adapter.init=olora", "adapter.method=dora"], "adapter.init: olora with DoRA is not supported"),
     (["adapter.init=pissa", "adapter.modules_to_save=[lm_head]"], "adapter.modules_to_save is not supported"),

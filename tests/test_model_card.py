@@ -215,3 +215,17 @@ def test_odd_paths_cannot_break_the_card_or_its_snippet(tiny_recipe, tmp_path):
     snippet = body.split("```python\n", 1)[1].split("\n```", 1)[0]
     ast.parse(snippet)  # the model path's quotes are escaped, the snippet stays Python
     assert '"' + str(model).replace('"', '\\"') + '"' in snippet
+
+
+@pytest.mark.parametrize("targets, shown", [("[embed_tokens,q_proj]", True), ("all-linear", False)])
+def test_a_lora_plus_card_gives_the_embedding_rate_where_targets_can_name_an_embedding(tiny_recipe, targets, shown):
+    from workbench.model_card import _method_section
+
+    recipe = tiny_recipe.override("adapter.lora_plus_ratio=16", "adapter.lora_plus_lr_embedding=3e-6",
+                                  f"adapter.target_modules={targets}").model_dump(mode="json")
+    body = _method_section(recipe, {})
+    assert table_value(body, "LoRA+ (B's learning rate / A's)") == 16
+    if shown:
+        assert table_value(body, "LoRA+ learning rate of adapted embedding layers") == 3e-6
+    else:  # the presets adapt Linears only
+        assert "embedding" not in body

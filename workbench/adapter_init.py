@@ -27,7 +27,8 @@ the state dict): ΔW = BA - B0A0 = [B, -B0][A; A0], a rank-2r LoRA with the same
 published base like any adapter. The run keeps A0 and B0 (the adapter's size, on the CPU) for that.
 
 LoRA+ (Hayou et al., 2024) trains B with a learning rate `lora_plus_ratio` times A's: the parameter groups are
-the ones peft's `create_loraplus_optimizer` builds (lora_B and every 1-D trained weight in the B group).
+the ones peft's `create_loraplus_optimizer` builds (lora_B and every 1-D trained weight in the B group, a LoRA
+embedding's two factors at `lora_plus_lr_embedding`, no weight decay on B's biases and LayerNorm weights).
 """
 
 from __future__ import annotations
@@ -226,13 +227,16 @@ class InitialAdapter:
         converted = dict(state)
         initial = {_plain(name): tensor for name, tensor in self.weights.items()}
         for name, tensor in state.items():
-            start = initial.get(_plain(name))
-            if start is None:
+            if ".lora_embedding_A." in name or ".lora_embedding_B." in name:
+                # an embedding's base is left alone (peft starts its factors at A = 0 under every init): its delta
+                # is BA, padded with zeros to the rank the converted config gives every layer
+                start = torch.zeros_like(tensor)
+            elif (start := initial.get(_plain(name))) is None:
                 continue
             start = start.to(tensor.dtype)
-            if ".lora_A." in name:
+            if ".lora_A." in name or ".lora_embedding_A." in name:
                 converted[name] = torch.cat([tensor, start], dim=0)
-            elif ".lora_B." in name:
+            elif ".lora_B." in name or ".lora_embedding_B." in name:
                 converted[name] = torch.cat([tensor, -start], dim=1)
         return converted
 
@@ -271,15 +275,39 @@ def saving_converted(peft_model):
 
 
 def parameter_groups(model, recipe) -> list[dict]:
-    """The optimizer's parameter groups: one at training.lr, and with LoRA+ a second (lora_B and the 1-D trained
-    weights) at lr x lora_plus_ratio. Each group says its scale (`lr_scale`) so a resume with a new lr keeps it."""
-    lr, ratio = recipe.training.lr, recipe.adapter.lora_plus_ratio
+    """The optimizer's parameter groups: one at training.lr, and with LoRA+ the groups peft's
+    `create_loraplus_optimizer` builds, each parameter at peft's rate and weight decay (training.weight_decay as
+    its `loraplus_weight_decay`). Each group says its scale of training.lr (`lr_scale`) so a resume with a new lr
+    keeps it; the embedding factors' scale is None: their rate is lora_plus_lr_embedding whatever training.lr."""
+    lr, ratio, decay = recipe.training.lr, recipe.adapter.lora_plus_ratio, recipe.training.weight_decay
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if ratio is None:
         return [{"params": [p for _, p in trained], "lr": lr, "lr_scale": 1.0}]
-    fast = [p for name, p in trained if "lora_B" in name or p.ndim == 1]
-    slow = [p for name, p in trained if not ("lora_B" in name or p.ndim == 1)]
-    return [{"params": slow, "lr": lr, "lr_scale": 1.0}, {"params": fast, "lr": lr * ratio, "lr_scale": ratio}]
+    from peft.tuners.lora.layer import Embedding
+    from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    # peft's rule: no decay for a bias or a weight inside a LayerNorm (it asks only of B's group)
+    decays = {name for name in get_parameter_names(model, ALL_LAYERNORM_LAYERS) if "bias" not in name}
+    modules = dict(model.named_modules())
+    # (lr, lr_scale, weight decay) by kind, in peft's order
+    kinds = {"A": (lr, 1.0, decay), "embedding": (recipe.adapter.lora_plus_lr_embedding, None, decay),
+             "B": (lr * ratio, ratio, decay), "B, no decay": (lr * ratio, ratio, 0.0)}
+    members = {kind: [] for kind in kinds}
+    for name, param in trained:
+        # a LoRA embedding keeps its factors in dicts right below it (<layer>.lora_embedding_A.default): the layer
+        # is two names up, as peft looks for it
+        owner_name = ".".join(name.split(".")[:-2])
+        owner = modules.get(owner_name) if owner_name else None
+        if isinstance(owner, Embedding):
+            kind = "embedding"
+        elif "lora_B" in name or param.ndim == 1:
+            kind = "B" if name in decays else "B, no decay"
+        else:
+            kind = "A"
+        members[kind].append(param)
+    return [{"params": members[kind], "lr": rate, "lr_scale": scale, "weight_decay": wd}
+            for kind, (rate, scale, wd) in kinds.items() if members[kind]]
 
 
 # -- what the estimator counts -----------------------------------------------------------------------

@@ -226,6 +226,10 @@ def _method_section(recipe: dict, summary: dict) -> str:
         rows.insert(5, ("initialisation", init))
         if adapter.get("lora_plus_ratio") is not None:
             rows.insert(6, ("LoRA+ (B's learning rate / A's)", adapter.get("lora_plus_ratio")))
+            # only named targets can hold an embedding layer (the presets are Linears); a run recorded before the
+            # setting existed has none to show
+            if isinstance(adapter.get("target_modules"), list) and adapter.get("lora_plus_lr_embedding") is not None:
+                rows.insert(7, ("LoRA+ learning rate of adapted embedding layers", adapter["lora_plus_lr_embedding"]))
     if adapter.get("method") == "qlora" and quant:
         rows.append(("base weights during training", f"{quant.get('bits')}-bit {quant.get('type')}"
                      + (", double quantization" if quant.get("double_quant") else "")))

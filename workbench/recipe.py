@@ -74,12 +74,16 @@ class AdapterSection(Section):
     lora_plus_ratio: float | None = Field(None, ge=1, le=1024, description="LoRA+: B's learning rate is this "
                                                                             "many times training.lr (e.g. 16); "
                                                                             "null: one rate.")
+    lora_plus_lr_embedding: float = Field(1e-6, gt=0, description="LoRA+: the learning rate of the LoRA factors "
+                                                                  "on embedding layers, whatever training.lr "
+                                                                  "(peft's loraplus_lr_embedding).")
 
-    @field_validator("lora_plus_ratio", mode="before")
+    @field_validator("lora_plus_ratio", "lora_plus_lr_embedding", mode="before")
     @classmethod
-    def _a_number(cls, value):
-        if isinstance(value, bool):  # YAML's true would pass as a ratio of 1
-            raise ValueError(f"expected a number such as 16, got {value}")
+    def _a_number(cls, value, info):
+        if isinstance(value, bool):  # YAML's true would pass as a ratio (or a rate) of 1
+            example = "16" if info.field_name == "lora_plus_ratio" else "1e-6"
+            raise ValueError(f"expected a number such as {example}, got {value}")
         return value
 
     @field_validator("init")

@@ -118,11 +118,11 @@ class ResumePlan:
                                  "since the run started; resume with the template it started with, or start a new run")
 
     def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-                          model) -> None:
+                          model, lr_groups: int) -> None:
         """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
         latest = self.run.latest_checkpoint() if self.resuming else None
         if latest is not None:
-            self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model)
+            self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups)
 
     def history(self) -> list[dict]:
         """The run's recipe changes so far, this resume's appended (from the step it continues at)."""
@@ -218,9 +218,10 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-           model) -> CheckpointChoice:
-    """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch) and
-    that the files it needs are whole; WorkbenchError naming both sides otherwise. Reads files only."""
+           model, lr_groups: int) -> CheckpointChoice:
+    """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
+    optimizer's `lr_groups` parameter groups) and that the files it needs are whole; WorkbenchError naming both
+    sides otherwise. Reads files only."""
     meta = checkpoints.read_meta(path)
     pickles = checkpoints.pickled_files(path)
     if pickles and ("progress" in meta or not meta.get("portable")):
@@ -232,6 +233,12 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
         raise WorkbenchError(f"--resume: checkpoint {path} was written by an earlier version that recorded no "
                              "layout; start the run again (--overwrite)")
+    saved_groups = len(meta.get("scheduler", {}).get("base_lrs", []))
+    if saved_groups and saved_groups != lr_groups:  # its schedule would leave some groups at a rate of their own
+        raise WorkbenchError(f"--resume: checkpoint {path} holds {saved_groups} learning-rate groups and this run "
+                             f"{lr_groups} (LoRA+ gives an embedding layer's factors and B's biases groups of their "
+                             "own, as peft does, since it was written); resume it with the version that wrote it, "
+                             "or start the run again (--overwrite)")
     written = Layout.from_json(meta["layout"])
     where = f"{written.name} on {meta['world_size']} process(es) with micro-batch {meta['micro_batch_size']}"
     here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"

@@ -74,7 +74,7 @@ def adamw_kernel(device_type: str) -> dict:
 
 def build_optimizer(model, recipe: Recipe, device_type: str = "cpu") -> torch.optim.Optimizer:
     cfg = recipe.training
-    params = parameter_groups(model, recipe)  # one group, or LoRA+'s two
+    params = parameter_groups(model, recipe)  # one group, or LoRA+'s (peft's)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **adamw_kernel(device_type))
     import bitsandbytes as bnb
@@ -103,9 +103,11 @@ def _window_totals(accelerator, sums, tokens: int, start: float) -> dict:
 
 def set_peak_lr(scheduler, lr: float) -> None:
     """A new peak learning rate for a resumed schedule: the same warmup and decay, scaled (each group keeps its
-    scale: LoRA+'s B group stays lora_plus_ratio times the rest)."""
+    scale: LoRA+'s B group stays lora_plus_ratio times the rest; a group of no scale, LoRA+'s embedding factors,
+    keeps its own peak)."""
     groups = scheduler.optimizer.param_groups
-    scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
+    scales = [group.get("lr_scale", 1.0) for group in groups]
+    scheduler.base_lrs = [peak if scale is None else lr * scale for scale, peak in zip(scales, scheduler.base_lrs)]
     for group, peak, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"] = peak
         group["lr"] = peak * factor(scheduler.last_epoch)

@@ -231,7 +231,8 @@ class TrainingSession:
         self.flop_counter = FlopCounter(model, model.config)
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
         self.resuming.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
-                                        math.inf if self.recipe.data.streaming else len(self.data.train), model)
+                                        math.inf if self.recipe.data.streaming else len(self.data.train), model,
+                                        len(self.optimizer.param_groups))
 
     def data_driven_init(self, model) -> dict:
         """adapter.init eva: A from this run's training data (the first epoch as one process is dealt it, on every
