@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .errors import Interrupted, RecipeError, WorkbenchError
+from .errors import Interrupted, RecipeError, WorkbenchError, printable
 
 QUICKSTART = Path("recipes/quickstart.yaml")
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, BrokenPipeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
+        _say_error(err)
         return 1
 
 
@@ -40,7 +40,7 @@ def _main(argv: list[str] | None) -> int:
     from .quiet import quiet_libraries
 
     # a command-line program's warnings are one line each (`workbench runs` skipping a damaged run)
-    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {printable(message)}\n"
 
     quiet_libraries()
     parser = build_parser()
@@ -61,17 +61,23 @@ def _main(argv: list[str] | None) -> int:
     except Interrupted as err:
         return _interrupted(f"{_rank_prefix()}{err}", err.exit_code, argv)
     except WorkbenchError as err:
-        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
+        _say_error(err)
         return err.exit_code
     except KeyboardInterrupt:
         return _interrupted("interrupted", 130, argv)
+
+
+def _say_error(err: BaseException) -> None:
+    """The one place an error reaches the terminal: its text names recipe values and paths, which may carry
+    escape sequences that would retitle or clear the terminal, so control characters are shown escaped."""
+    print(f"{_rank_prefix()}error: {printable(err)}", file=sys.stderr)
 
 
 def _interrupted(message: str, exit_code: int, argv: list[str] | None) -> int:
     """Say why and give the exit code of a stopped run. In the program itself (argv from the command line) another
     SIGINT from here on is ignored: Python puts the default action back while it shuts down, and a second Ctrl-C
     (or a launcher's copy of the first) landing then would end the process by the signal instead of this code."""
-    print(message, file=sys.stderr)
+    print(printable(message), file=sys.stderr)
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return exit_code
@@ -295,7 +301,7 @@ def _train(args) -> int:
         from .cluster.slurm import requeue_self, requeue_wanted_for
 
         if args.requeue and requeue_wanted_for(err.exit_code - 128) and os.environ.get("RANK", "0") == "0":
-            print(f"{_rank_prefix()}{err}", file=sys.stderr, flush=True)  # the checkpoint first, then the requeue
+            print(f"{_rank_prefix()}{printable(err)}", file=sys.stderr, flush=True)  # the checkpoint first, then the requeue
             print(requeue_self(), file=sys.stderr, flush=True)
             return err.exit_code
         raise
@@ -422,8 +428,8 @@ def _validate(args) -> int:
         from .preflight import preflight
 
         for warning in preflight(recipe, load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)):
-            print(f"warning: {warning}")
-    print(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})")
+            print(f"warning: {printable(warning)}")
+    print(printable(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})"))
     return 0
 
 
