@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .distributed import unwrap
-from .errors import WorkbenchError
+from .errors import WorkbenchError, reported_as_write_error
 from .runs import RunDir, write_json_atomic
 from .strategies import Layout
 
@@ -50,22 +51,28 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     batch: (micro_batch_size, grad_accum) of this run."""
     micro_batch, grad_accum = batch
     staging = run.staging_checkpoint(progress.step)
-    accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
-    portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
-    _pause_for_crash_tests(progress.step)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if portable is not None:
-            save_file(portable, str(staging / PORTABLE_TENSORS))
-            write_json_atomic(staging / PORTABLE_META, {
-                "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
-                "adam_step": progress.step - progress.skipped_steps,
-                "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
-        write_json_atomic(staging / META, {"step": progress.step, "layout": layout.to_json(),
-                                           "world_size": accelerator.num_processes, "micro_batch_size": micro_batch,
-                                           "grad_accum": grad_accum, "portable": portable is not None,
-                                           "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
-        run.publish_checkpoint(progress.step, keep_last)
+    try:
+        with reported_as_write_error(run.checkpoint(progress.step)):
+            accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
+            portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
+            _pause_for_crash_tests(progress.step)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                if portable is not None:
+                    save_file(portable, str(staging / PORTABLE_TENSORS))
+                    write_json_atomic(staging / PORTABLE_META, {
+                        "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
+                        "adam_step": progress.step - progress.skipped_steps,
+                        "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
+                write_json_atomic(staging / META, {
+                    "step": progress.step, "layout": layout.to_json(), "world_size": accelerator.num_processes,
+                    "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
+                    "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
+                run.publish_checkpoint(progress.step, keep_last)
+    except Exception:  # a write that failed (a full disk, a file size limit): no half checkpoint stays behind
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
 
 
