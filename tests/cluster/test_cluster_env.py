@@ -305,3 +305,28 @@ def test_an_sbatch_arg_cannot_undo_what_the_script_sets(tmp_path, capsys):
         assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(tmp_path / "job.sbatch")]) == 2
         assert "is set by the script itself" in capsys.readouterr().err
     assert not (tmp_path / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("arg", ["--signal USR2@10", "--sig=USR2@10", "--si=USR2@10", "--no-requeue", "--requeue",
+                                 "--open=truncate", "--out /tmp/x.log", "--job=other", "--time 1", "--nodes 9",
+                                 "--gpus=8", "--ntasks=4", "-o /tmp/x.log", "-J other", "-t 1"])
+def test_an_sbatch_arg_cannot_set_the_scripts_options_in_any_spelling(tmp_path, capsys, arg):
+    # sbatch reads `--opt v` as `--opt=v` and any unique prefix of a long option as the option itself
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sbatch-arg: ") and len(err.splitlines()) == 1, err
+    assert not script.exists()
+
+
+def test_an_sbatch_arg_of_its_own_and_the_signal_bounds_of_slurm(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    for arg in ("--qos=high", "--nodelist node1", "--reservation=mine", "--mail-type=END"):  # none the script sets
+        assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 0, capsys.readouterr().err
+        assert f"#SBATCH {arg}\n" in script.read_text()
+    for seconds in ("0", "65535"):
+        assert main(["slurm", RECIPE, "--signal-before", seconds, "--script", str(script)]) == 0
+    capsys.readouterr()
+    for seconds in ("65536", "99999999", "-1"):
+        assert main(["slurm", RECIPE, "--signal-before", seconds, "--script", str(tmp_path / "b.sbatch")]) == 2
+        assert "--signal-before: seconds from 0 to 65535" in capsys.readouterr().err
