@@ -330,3 +330,20 @@ def test_an_sbatch_arg_of_its_own_and_the_signal_bounds_of_slurm(tmp_path, capsy
     for seconds in ("65536", "99999999", "-1"):
         assert main(["slurm", RECIPE, "--signal-before", seconds, "--script", str(tmp_path / "b.sbatch")]) == 2
         assert "--signal-before: seconds from 0 to 65535" in capsys.readouterr().err
+
+
+def test_a_script_written_elsewhere_has_its_log_folder_made(tmp_path):
+    # SLURM opens #SBATCH --output before the job runs and makes no folder: a missing one ends the job, logless
+    runs = tmp_path / "first" / "runs"
+    script = tmp_path / "scripts" / "job.sbatch"
+    assert main(["slurm", RECIPE, f"output.dir={runs}/{{name}}", "--script", str(script)]) == 0
+    log = next(line for line in script.read_text().splitlines() if line.startswith("#SBATCH --output="))
+    assert Path(log.removeprefix("#SBATCH --output=")).parent == runs and runs.is_dir()
+
+
+def test_the_readmes_hand_written_sbatch_lines_set_master_addr_before_using_it():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.partition("Written by hand, the essential lines are:")[2].split("```bash\n", 1)[1].split("```")[0]
+    assert "$MASTER_ADDR" in block  # SLURM sets no MASTER_ADDR: the lines set it, as the generated script does
+    assert block.index('export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"') < \
+        block.index("$MASTER_ADDR:")

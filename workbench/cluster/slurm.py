@@ -141,6 +141,12 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
     if path.exists() and not (path.is_file() and path.read_text(errors="replace").startswith(SCRIPT_MARK)):
         raise RecipeError(f"--script: {path} exists and is not a script `workbench slurm` wrote; choose a new path")
     try:
+        # SLURM opens the log before the job's first line runs and never makes its folder: a job whose log
+        # folder is missing (a first run, its script written elsewhere) would end at once, with no log at all
+        log.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RecipeError(f"output.dir: cannot create {log.parent} for the job's log ({err.strerror or err})") from None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as err:
