@@ -347,3 +347,26 @@ def test_the_readmes_hand_written_sbatch_lines_set_master_addr_before_using_it()
     assert "$MASTER_ADDR" in block  # SLURM sets no MASTER_ADDR: the lines set it, as the generated script does
     assert block.index('export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"') < \
         block.index("$MASTER_ADDR:")
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+@pytest.mark.parametrize("address", ["10.0.0.1 10.0.0.2", "10.0.0.1:29500", " ", "node\x1b[2J", "-h"])
+def test_a_malformed_master_addr_is_refused_in_one_line_naming_it(monkeypatch, capsys, tmp_path, command, address):
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    argv = [command, RECIPE, f"output.dir={tmp_path}/run", *(["--dry-run"] if command == "launch" else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    named = "error: MASTER_ADDR" if address.strip() else "error: MASTER_PORT is set ('29500') but MASTER_ADDR is not"
+    assert err.startswith(named) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_master_host_is_an_address_or_a_name(monkeypatch, capsys):
+    for address in ("10.0.0.1", "::1", "job-0.svc.cluster.local", "node_7"):
+        launch_defaults({"MASTER_ADDR": address, "MASTER_PORT": "29500"})
+    for master in ("a b:29500", "a:b:29500", "[x]:1"):
+        assert main(["launch", RECIPE, "--dry-run", "--master", master]) == 2
+        assert capsys.readouterr().err.startswith("error: --master: ")
+    with pytest.raises(RecipeError, match="^MASTER_PORT: "):
+        launch_defaults({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500x"})
