@@ -42,7 +42,7 @@ def _main(argv: list[str] | None) -> int:
     # a command-line program's warnings are one line each (`workbench runs` skipping a damaged run)
     warnings.formatwarning = lambda message, category, *rest: f"warning: {printable(message)}\n"
 
-    quiet_libraries()
+    quiet_libraries(loads_models=False)  # the commands that load a model import it through the API, which says so
     parser = build_parser()
     args, extra = parser.parse_known_args(_resume_auto(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "command", None) == "chat":  # the chat command parses its own arguments, --help included
