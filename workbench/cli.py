@@ -301,7 +301,8 @@ def _train(args) -> int:
         from .cluster.slurm import requeue_self, requeue_wanted_for
 
         if args.requeue and requeue_wanted_for(err.exit_code - 128) and os.environ.get("RANK", "0") == "0":
-            print(f"{_rank_prefix()}{printable(err)}", file=sys.stderr, flush=True)  # the checkpoint first, then the requeue
+            # the checkpoint first, then the requeue
+            print(f"{_rank_prefix()}{printable(err)}", file=sys.stderr, flush=True)
             print(requeue_self(), file=sys.stderr, flush=True)
             return err.exit_code
         raise
@@ -429,7 +430,8 @@ def _validate(args) -> int:
 
         for warning in preflight(recipe, load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)):
             print(f"warning: {printable(warning)}")
-    print(printable(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})"))
+    print(printable(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, "
+                    f"model {recipe.model.path})"))
     return 0
 
 
