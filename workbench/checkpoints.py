@@ -51,13 +51,15 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     batch: (micro_batch_size, grad_accum) of this run."""
     micro_batch, grad_accum = batch
     staging = run.staging_checkpoint(progress.step)
+    target = run.checkpoint(progress.step)  # what a failed write names (a full disk: one line, not a traceback)
     try:
-        with reported_as_write_error(run.checkpoint(progress.step)):
+        with reported_as_write_error(target):
             accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
-            portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
-            _pause_for_crash_tests(progress.step)
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
+        portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
+        _pause_for_crash_tests(progress.step)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with reported_as_write_error(target):
                 if portable is not None:
                     save_file(portable, str(staging / PORTABLE_TENSORS))
                     write_json_atomic(staging / PORTABLE_META, {

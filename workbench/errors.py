@@ -74,7 +74,7 @@ def reported_as_write_error(path: object):
     writer: both would otherwise end the command with a traceback."""
     try:
         yield
-    except WriteError:
+    except (WriteError, ConnectionError, TimeoutError):  # a peer lost in a collective of the save is no write's fault
         raise
     except OSError as err:
         raise WriteError(path, err.strerror or str(err)) from err
