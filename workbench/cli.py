@@ -348,10 +348,11 @@ def _print_summary(run_dir: Path, record: dict) -> None:
     def num(value, spec: str, scale: float = 1.0) -> str:  # null (a non-finite figure) prints as n/a
         return format(value * scale, spec) if isinstance(value, (int, float)) else "n/a"
 
-    print(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})")
+    # run.json is a file like any other: its text (a hand-edited status, a model's answers) is shown escaped
+    print(printable(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})"))
     print(f"  wall {num(s.wall_s, '.1f')} s | {s.tokens} tokens | {num(s.tokens_per_s, '.0f')} tokens/s | "
           f"peak memory {num(s.peak_memory_mb, '.0f')} MB ({s.peak_memory_kind}) | MFU {num(s.mfu, '.2f', 100)}% | "
-          f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}")
+          + printable(f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}"))
     line = f"  final train loss {num(s.final_loss, '.4f')}" if s.final_loss is not None else "  no loss logged"
     if s.eval_loss_first is not None or s.eval_loss_final is not None:
         line += f" | eval loss {num(s.eval_loss_first, '.4f')} -> {num(s.eval_loss_final, '.4f')}"
@@ -359,10 +360,10 @@ def _print_summary(run_dir: Path, record: dict) -> None:
     budget = "no end of sequence within output.sample_max_new_tokens"
     for sample in s.samples or []:
         ended = sample.get("ended", {})
-        print(f"  prompt: {sample['prompt']}")
+        print(f"  prompt: {printable(sample['prompt'])}")
         for when in ("before", "after"):
             mark = {True: "", False: f"  [{budget}]"}.get(ended.get(when), "")
-            print(f"    {when}:{' ' * (7 - len(when))}{sample[when]}{mark}")
+            print(f"    {when}:{' ' * (7 - len(when))}{printable(sample[when])}{mark}")
 
 
 def _launch(args) -> int:
@@ -609,6 +610,7 @@ def _stop(args) -> int:
 def _runs(args) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from .runs import COMPARE_COLUMNS, compare_rows, list_runs
 
@@ -622,7 +624,7 @@ def _runs(args) -> int:
         table.add_column(column, justify="left" if column in ("run", "status", "method", "strategy") else "right",
                          overflow="fold")
     for row in rows:
-        table.add_row(*(_cell(row[c]) for c in columns))
+        table.add_row(*(Text(_cell(row[c])) for c in columns))  # Text: a run's name is no markup
     Console(width=240).print(table)
     return 0
 
@@ -632,4 +634,4 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return printable(value)  # names and statuses read from each run's files
