@@ -309,7 +309,8 @@ def test_an_sbatch_arg_cannot_undo_what_the_script_sets(tmp_path, capsys):
 
 @pytest.mark.parametrize("arg", ["--signal USR2@10", "--sig=USR2@10", "--si=USR2@10", "--no-requeue", "--requeue",
                                  "--open=truncate", "--out /tmp/x.log", "--job=other", "--time 1", "--nodes 9",
-                                 "--gpus=8", "--ntasks=4", "-o /tmp/x.log", "-J other", "-t 1"])
+                                 "--gpus=8", "--ntasks=4", "-o /tmp/x.log", "-J other", "-t 1",
+                                 "--qos=high --signal=USR2@10", "--qos=high -o /tmp/x.log"])
 def test_an_sbatch_arg_cannot_set_the_scripts_options_in_any_spelling(tmp_path, capsys, arg):
     # sbatch reads `--opt v` as `--opt=v` and any unique prefix of a long option as the option itself
     script = tmp_path / "job.sbatch"

@@ -13,7 +13,6 @@ What makes a job survive preemption and time limits without its command ever bei
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -161,7 +160,16 @@ def _check_extra(arg: str) -> None:
     Short options (-o, -J, -t, ...) are refused outright: several stand for the script's own."""
     if not arg.startswith("--"):
         raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high (its long form), got {arg!r}")
-    option = re.split(r"[=\s]", arg, maxsplit=1)[0]
+    # sbatch reads every option on an #SBATCH line: `--qos=high --signal=X` sets both
+    for word in arg.split():
+        if word.startswith("-"):
+            _check_option(word.split("=", 1)[0], arg)
+
+
+def _check_option(option: str, arg: str) -> None:
+    if not option.startswith("--"):
+        raise RecipeError(f"--sbatch-arg: {arg!r} holds the short option {option}; give sbatch options in their "
+                          "long form (--qos=high)")
     own = next((name for name in OWN_OPTIONS if name.startswith(option)), None)
     if own is not None:
         what = f"{own} is" if option == own else f"{option} abbreviates or overrides {own}, which is"
