@@ -502,8 +502,6 @@ def _print_preview(preview) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    from .preview import printable
-
     console = Console(highlight=False)
     for line in preview.summary_lines():
         console.print(Text(printable(line)))

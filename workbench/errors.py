@@ -5,19 +5,13 @@ from contextlib import contextmanager
 
 # C0 and C1 control characters and DEL: a terminal reads ESC, CSI (0x9b) and OSC sequences as commands (retitle,
 # clear, move the cursor) and CR as "overwrite this line", so text from a recipe, a data file or a run folder shown
-# raw could rewrite what the user sees. Newlines and tabs are layout; `one_line` escapes them too.
+# raw could rewrite what the user sees. Newlines and tabs are layout (a message of several problems has a line each).
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in "\n\t"}
-_CONTROL_AND_BREAKS = {**_CONTROL, **{c: f"\\x{c:02x}" for c in (0x09, 0x0A)}, 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
 def printable(text: object) -> str:
     """`text` with control characters (other than newline and tab) written as \\xNN, safe to show on a terminal."""
     return str(text).translate(_CONTROL)
-
-
-def one_line(text: object) -> str:
-    """`text` safe to show on a terminal and kept on one line: every control character and line break as \\xNN."""
-    return str(text).translate(_CONTROL_AND_BREAKS)
 
 
 class WorkbenchError(Exception):

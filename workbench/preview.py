@@ -15,7 +15,7 @@ from pathlib import Path
 from .data import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row,
                    whole_training_examples)
 from . import streaming
-from .errors import DataError, RecipeError, printable  # noqa: F401  (printable: the CLI imports it from here)
+from .errors import DataError, RecipeError, printable
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
 from .recipe import Recipe
