@@ -389,3 +389,17 @@ def test_an_adapter_that_does_not_fit_its_base_is_one_line_naming_the_weights(ti
     with pytest.raises(WorkbenchError, match=rf"^{weights}: damaged adapter .*does not fit") as err:
         load_for_inference(run_dir, device="cpu")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_merged_model_follows_the_umask_as_the_run_directory_does(tiny_run, tmp_path, umask):
+    previous = os.umask(umask)  # the test's own process: restored below
+    try:
+        out = merge(tiny_run.run_dir, out=tmp_path / "deep" / "merged")
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's private 0700
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o666 & ~umask for p in files}
+    assert (tmp_path / "deep").stat().st_mode & 0o777 == 0o777 & ~umask

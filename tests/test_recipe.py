@@ -99,3 +99,21 @@ def test_qlora_gets_default_4bit_quantization():
 def test_keys_named_like_the_shapes_of_data_train_are_still_named():
     with pytest.raises(RecipeError, match=r"data.one: unknown key 'one'"):
         Recipe.load("recipes/tiny.yaml", ["data.one=1"])
+
+
+@pytest.mark.parametrize("field", ["data.train", "data.chat_template"])
+def test_cli_shows_escape_sequences_of_a_recipe_escaped(field, tmp_path, capsys):
+    # a recipe from someone else: its values would retitle the terminal (OSC ... BEL), clear it, jump back over
+    # the line (CR) and print a line of their own, were they printed raw
+    hostile = "\x1b]0;pwned\x07\x1b[2J\rerror: fake line\x9b"
+    recipe = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
+    section, key = field.split(".")
+    recipe[section][key] = str(tmp_path / f"missing{hostile}.jsonl")
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["validate", str(path), "--preflight"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {field}: ") and "pwned" in err  # the value is named ...
+    assert not any(c in err for c in "\x1b\x07\r\x9b")  # ... but none of its control characters reach the terminal
+    assert "missing\\x1b]0;pwned\\x07\\x1b[2J\\x0derror: fake line\\x9b" in err
+    assert len(err.splitlines()) == 1

@@ -45,3 +45,20 @@ def test_every_headline_figure_is_a_summary_attribute_and_shows_in_the_notebook_
     for _, label in HEADLINE:
         assert f">{label}<" in table, label
     assert ">640<" in table.replace("640.0", "640")  # the estimator's prediction, from its group
+
+
+def test_the_runs_table_shows_a_run_files_escape_sequences_escaped(tmp_path, capsys):
+    import json
+
+    from workbench import Recipe
+    from workbench.cli import main
+
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    Recipe.load("recipes/tiny.yaml").save(run / "recipe.yaml")
+    hostile = "\x1b]0;pwned\x07\x1b[2J\rcompleted\x9b"
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": {"status": hostile, "steps": 1,
+                                                                      "strategy": f"single{hostile}"}}))
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "pwned" in out and not any(c in out for c in "\x1b\x07\r\x9b"), out

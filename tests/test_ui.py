@@ -1087,3 +1087,13 @@ def test_save_refuses_what_is_no_regular_file_in_one_message(h, root, kind):
     status = h.save_recipe(target, tiny_text("x"))  # a FIFO must not block: the test would hang
     assert "wb-error" in status and "not saved" in status, status
     assert "Errno" not in status and "<br>" not in status
+
+
+def test_text_of_run_files_reaches_the_page_with_its_control_characters_escaped():
+    from ui.handlers import status_html
+
+    hostile = "run\x1b]0;pwned\x07\x1b[2J\rfake\x9b"
+    shown = [status_html("error", f"failed: {hostile}"),
+             display_table([{"run": hostile, "status": "completed"}]).to_csv()]
+    for text in shown:
+        assert "pwned" in text and not any(c in text for c in "\x1b\x07\r\x9b"), text

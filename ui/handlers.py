@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from workbench import charts
-from workbench.errors import RecipeError, WorkbenchError
+from workbench.errors import RecipeError, WorkbenchError, printable
 from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
@@ -52,7 +52,8 @@ COLUMNS = COMPARE_COLUMNS  # workbench.runs' own (objective and reward figures i
 
 def status_html(kind: str, text: str) -> str:
     """A coloured status line: kind is ok, error, info or warn."""
-    body = "<br>".join(html.escape(line) for line in str(text).splitlines()) or "&nbsp;"
+    # run.json, job logs and recipe values are others' text: control characters are shown escaped, not passed on
+    body = "<br>".join(html.escape(printable(line)) for line in str(text).splitlines()) or "&nbsp;"
     return f'<div class="wb-status wb-{kind}">{body}</div>'
 
 
@@ -464,6 +465,8 @@ def _run_line(run_path: Path) -> str:
 def display_table(rows: list[dict]) -> pd.DataFrame:
     """The compare rows with readable headers, units and rounding (MFU and reward accuracies in percent)."""
     frame = pd.DataFrame(rows, columns=COLUMNS)
+    for col in COLUMNS:  # text read from each run's run.json and recipe.yaml: control characters shown escaped
+        frame[col] = frame[col].map(lambda v: printable(v) if isinstance(v, str) else v)
     frame["mfu"] = frame["mfu"].map(lambda v: None if v is None or pd.isna(v) else round(100 * v, 2))
     for col in ("tokens_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "wall_s"):
         frame[col] = frame[col].map(lambda v: None if v is None or pd.isna(v) else round(float(v), 1))

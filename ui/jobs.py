@@ -28,7 +28,7 @@ from workbench.metrics import read_metrics
 from workbench.recipe import TrainingSection
 from workbench.runs import write_json_atomic
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, printable
 
 from .workspace import PathError, Workspace
 
@@ -237,7 +237,8 @@ class JobRegistry:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 64_000))
             text = f.read().decode("utf-8", "replace")
-        return "\n".join(text.splitlines()[-lines:])
+        # a training log echoes recipe values and paths: control characters shown escaped, lines kept
+        return "\n".join(printable(line) for line in text.splitlines()[-lines:])
 
     # -- records ----------------------------------------------------------------------------------
 

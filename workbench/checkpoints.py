@@ -25,6 +25,7 @@ import json
 import math
 import os
 import reprlib
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from safetensors.torch import load_file, save_file
 
 from .distributed import unwrap
-from .errors import WorkbenchError
+from .errors import WorkbenchError, reported_as_write_error
 from .runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
 from .strategies import Layout
 
@@ -54,22 +55,30 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     batch: (micro_batch_size, grad_accum) of this run."""
     micro_batch, grad_accum = batch
     staging = run.staging_checkpoint(progress.step)
-    accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
-    portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
-    _pause_for_crash_tests(progress.step)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if portable is not None:
-            save_file(portable, str(staging / PORTABLE_TENSORS))
-            write_json_atomic(staging / PORTABLE_META, {
-                "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
-                "adam_step": progress.step - progress.skipped_steps,
-                "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
-        write_json_atomic(staging / META, {"step": progress.step, "layout": layout.to_json(),
-                                           "world_size": accelerator.num_processes, "micro_batch_size": micro_batch,
-                                           "grad_accum": grad_accum, "portable": portable is not None,
-                                           "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
-        run.publish_checkpoint(progress.step, keep_last)
+    target = run.checkpoint(progress.step)  # what a failed write names (a full disk: one line, not a traceback)
+    try:
+        with reported_as_write_error(target):
+            accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
+        portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
+        _pause_for_crash_tests(progress.step)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with reported_as_write_error(target):
+                if portable is not None:
+                    save_file(portable, str(staging / PORTABLE_TENSORS))
+                    write_json_atomic(staging / PORTABLE_META, {
+                        "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
+                        "adam_step": progress.step - progress.skipped_steps,
+                        "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
+                write_json_atomic(staging / META, {
+                    "step": progress.step, "layout": layout.to_json(), "world_size": accelerator.num_processes,
+                    "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
+                    "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
+                run.publish_checkpoint(progress.step, keep_last)
+    except Exception:  # a write that failed (a full disk, a file size limit): no half checkpoint stays behind
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
 
 

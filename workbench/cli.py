@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .errors import Interrupted, RecipeError, WorkbenchError
+from .errors import Interrupted, RecipeError, WorkbenchError, printable
 
 QUICKSTART = Path("recipes/quickstart.yaml")
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, BrokenPipeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
+        _say_error(err)
         return 1
 
 
@@ -40,9 +40,9 @@ def _main(argv: list[str] | None) -> int:
     from .quiet import quiet_libraries
 
     # a command-line program's warnings are one line each (`workbench runs` skipping a damaged run)
-    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {printable(message)}\n"
 
-    quiet_libraries()
+    quiet_libraries(loads_models=False)  # the commands that load a model import it through the API, which says so
     parser = build_parser()
     args, extra = parser.parse_known_args(_resume_auto(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "command", None) == "chat":  # the chat command parses its own arguments, --help included
@@ -61,17 +61,23 @@ def _main(argv: list[str] | None) -> int:
     except Interrupted as err:
         return _interrupted(f"{_rank_prefix()}{err}", err.exit_code, argv)
     except WorkbenchError as err:
-        print(f"{_rank_prefix()}error: {err}", file=sys.stderr)
+        _say_error(err)
         return err.exit_code
     except KeyboardInterrupt:
         return _interrupted("interrupted", 130, argv)
+
+
+def _say_error(err: BaseException) -> None:
+    """The one place an error reaches the terminal: its text names recipe values and paths, which may carry
+    escape sequences that would retitle or clear the terminal, so control characters are shown escaped."""
+    print(f"{_rank_prefix()}error: {printable(err)}", file=sys.stderr)
 
 
 def _interrupted(message: str, exit_code: int, argv: list[str] | None) -> int:
     """Say why and give the exit code of a stopped run. In the program itself (argv from the command line) another
     SIGINT from here on is ignored: Python puts the default action back while it shuts down, and a second Ctrl-C
     (or a launcher's copy of the first) landing then would end the process by the signal instead of this code."""
-    print(message, file=sys.stderr)
+    print(printable(message), file=sys.stderr)
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return exit_code
@@ -295,7 +301,8 @@ def _train(args) -> int:
         from .cluster.slurm import requeue_self, requeue_wanted_for
 
         if args.requeue and requeue_wanted_for(err.exit_code - 128) and os.environ.get("RANK", "0") == "0":
-            print(f"{_rank_prefix()}{err}", file=sys.stderr, flush=True)  # the checkpoint first, then the requeue
+            # the checkpoint first, then the requeue
+            print(f"{_rank_prefix()}{printable(err)}", file=sys.stderr, flush=True)
             print(requeue_self(), file=sys.stderr, flush=True)
             return err.exit_code
         raise
@@ -341,10 +348,11 @@ def _print_summary(run_dir: Path, record: dict) -> None:
     def num(value, spec: str, scale: float = 1.0) -> str:  # null (a non-finite figure) prints as n/a
         return format(value * scale, spec) if isinstance(value, (int, float)) else "n/a"
 
-    print(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})")
+    # run.json is a file like any other: its text (a hand-edited status, a model's answers) is shown escaped
+    print(printable(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})"))
     print(f"  wall {num(s.wall_s, '.1f')} s | {s.tokens} tokens | {num(s.tokens_per_s, '.0f')} tokens/s | "
           f"peak memory {num(s.peak_memory_mb, '.0f')} MB ({s.peak_memory_kind}) | MFU {num(s.mfu, '.2f', 100)}% | "
-          f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}")
+          + printable(f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}"))
     line = f"  final train loss {num(s.final_loss, '.4f')}" if s.final_loss is not None else "  no loss logged"
     if s.eval_loss_first is not None or s.eval_loss_final is not None:
         line += f" | eval loss {num(s.eval_loss_first, '.4f')} -> {num(s.eval_loss_final, '.4f')}"
@@ -352,10 +360,10 @@ def _print_summary(run_dir: Path, record: dict) -> None:
     budget = "no end of sequence within output.sample_max_new_tokens"
     for sample in s.samples or []:
         ended = sample.get("ended", {})
-        print(f"  prompt: {sample['prompt']}")
+        print(f"  prompt: {printable(sample['prompt'])}")
         for when in ("before", "after"):
             mark = {True: "", False: f"  [{budget}]"}.get(ended.get(when), "")
-            print(f"    {when}:{' ' * (7 - len(when))}{sample[when]}{mark}")
+            print(f"    {when}:{' ' * (7 - len(when))}{printable(sample[when])}{mark}")
 
 
 def _launch(args) -> int:
@@ -422,8 +430,9 @@ def _validate(args) -> int:
         from .preflight import preflight
 
         for warning in preflight(recipe, load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)):
-            print(f"warning: {warning}")
-    print(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, model {recipe.model.path})")
+            print(f"warning: {printable(warning)}")
+    print(printable(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, "
+                    f"model {recipe.model.path})"))
     return 0
 
 
@@ -492,8 +501,6 @@ def _print_preview(preview) -> None:
         return
     from rich.console import Console
     from rich.text import Text
-
-    from .preview import printable
 
     console = Console(highlight=False)
     for line in preview.summary_lines():
@@ -601,6 +608,7 @@ def _stop(args) -> int:
 def _runs(args) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from .runs import COMPARE_COLUMNS, compare_rows, list_runs
 
@@ -614,7 +622,7 @@ def _runs(args) -> int:
         table.add_column(column, justify="left" if column in ("run", "status", "method", "strategy") else "right",
                          overflow="fold")
     for row in rows:
-        table.add_row(*(_cell(row[c]) for c in columns))
+        table.add_row(*(Text(_cell(row[c])) for c in columns))  # Text: a run's name is no markup
     Console(width=240).print(table)
     return 0
 
@@ -624,4 +632,4 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return printable(value)  # names and statuses read from each run's files

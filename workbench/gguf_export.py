@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .errors import ModelError, RecipeError, WorkbenchError
+from .errors import ModelError, RecipeError, WorkbenchError, WriteError
 from .quiet import leaves_the_process_as_found
 from .staging import merge_staging_folder, remove_leftovers
 
@@ -80,7 +80,7 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
                                  "transformers sequence classifier")
         check_architecture(run.path, _run_model_config(run))
         check_writable(out)
-        with new_folders_removed_on_failure(out.parent), writing(out), merged_run(run, out.parent) as folder:
+        with new_folders_removed_on_failure(out.parent), writing(out), merged_run(run, out) as folder:
             return write_gguf(folder, out, quant, name=run.name, source=str(run.path))
     folder, name = local_model(source)
     out = Path(out) if out else Path("gguf") / f"{name}-{quant}.gguf"
@@ -257,14 +257,18 @@ def _run_model_config(run):
 
 
 @contextmanager
-def merged_run(run, beside: Path):
+def merged_run(run, out: Path):
     """The run's tuned model as a plain transformers folder, merged in float32 (no rounding before the
     export's own), in a temporary folder beside the output: the system temp folder may be too small."""
     from .merging import merge
 
-    staging = merge_staging_folder(beside)
+    staging = merge_staging_folder(out.parent)
     try:
-        yield merge(run.path, out=staging / "model", dtype="float32")
+        try:
+            merged = merge(run.path, out=staging / "model", dtype="float32")
+        except WriteError as err:  # it names the temporary folder, which is no path of the user's
+            raise WriteError(f"--out: {out}", err.cause) from None
+        yield merged
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

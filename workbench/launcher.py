@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cluster.env import RANK_VARIABLES, check_launch_env
+from .cluster.env import RANK_VARIABLES, check_host, check_launch_env
 from .errors import RecipeError, WorkbenchError
 from .hardware.current import available_cpus, local_kind
 from .precision import resolve as resolve_precision
@@ -68,6 +68,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     host, _, port = master.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise RecipeError(f"--master: expected IP:PORT with a port from 1 to 65535, got {master!r}")
+    check_host("--master", host)
 
     recipe = Recipe.load(recipe_path, overrides or [])  # fail here, before any process starts
     check_tracker_packages(recipe.output.trackers)  # a missing package would fail every rank at once

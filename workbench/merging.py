@@ -7,12 +7,12 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import RecipeError, WorkbenchError
+from .errors import RecipeError, WorkbenchError, reported_as_write_error
 from .hub import check_hub_access, push_folder
 from .inference import check_adapter, hub_options, load_adapter, stop_token_ids, tokenizer_of
 from .model_card import write_model_card_or_warn
 from .quiet import leaves_the_process_as_found
-from .staging import merge_staging_folder
+from .staging import give_default_modes, merge_staging_folder
 
 
 # -- merging ----------------------------------------------------------------------------------
@@ -72,10 +72,13 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     # leaves a half model and no folder of the user's is taken for the staging one.
     staging = _staging_folder(out)
     try:
-        model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
-        tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
-        write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
-        (staging / MERGE_MARK).write_text(json.dumps({"written_by": "workbench merge", "run": str(run.path)}) + "\n")
+        with reported_as_write_error(f"--out: {out}"):  # a full disk or a file size limit: one line, not a traceback
+            model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
+            tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
+            write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
+            mark = {"written_by": "workbench merge", "run": str(run.path)}
+            (staging / MERGE_MARK).write_text(json.dumps(mark) + "\n")
+            give_default_modes(staging)
         _check_out(out, run.path)  # again: a folder may have been put there while the model was merged
         replaced = staging.with_name(staging.name + ".replaced")
         if out.exists() or out.is_symlink():

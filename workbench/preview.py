@@ -15,7 +15,7 @@ from pathlib import Path
 from .data import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair, tokenize_row,
                    whole_training_examples)
 from . import streaming
-from .errors import DataError, RecipeError
+from .errors import DataError, RecipeError, printable
 from .formats import format_of
 from .quiet import leaves_the_process_as_found
 from .recipe import Recipe
@@ -137,14 +137,6 @@ class DataPreview:
         ax.set_ylabel("sequences")
         ax.legend(loc="upper left", fontsize=8)
         return fig
-
-
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in "\n\t"}
-
-
-def printable(text: str) -> str:
-    """Control characters of the data (escape sequences that would clear or retitle a terminal) as \\xNN."""
-    return text.translate(_CONTROL)
 
 
 @leaves_the_process_as_found

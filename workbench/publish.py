@@ -11,6 +11,7 @@ from .hub import check_hub_access, push_folder
 from .inference import check_adapter
 from .merging import merge
 from .model_card import write_model_card
+from .quiet import import_bitsandbytes_offline
 from .runs import load_run
 
 
@@ -22,6 +23,7 @@ def push(run_dir: str | Path, repo: str, merged: bool = False, private: bool = F
     folder with a fresh model card, or with merged=True the merged model (an up-to-date RUN/merged folder,
     else a merge made for the upload). Access is checked before anything is loaded or merged. Returns the
     repository URL."""
+    import_bitsandbytes_offline()  # peft's import (checking the adapter) must not wait on the hub it asks
     run = load_run(run_dir)  # what is pushed exists, before the hub is asked anything
     whole_model = run.dir.model  # full fine-tuning saved the whole model: nothing to merge
     if not whole_model.is_dir():

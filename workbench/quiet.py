@@ -6,6 +6,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -65,8 +66,10 @@ def _harmless_logs_dropped():
             logger.removeFilter(drop)
 
 
-def quiet_libraries() -> None:
-    """For the command line's process (and, inside `process_as_found`, for one API call)."""
+def quiet_libraries(loads_models: bool = True) -> None:
+    """For the command line's process (and, inside `process_as_found`, for one API call). `loads_models`: the
+    caller goes on to load peft, so bitsandbytes is imported first, without waiting on the hub (a command that
+    loads no model skips that import's seconds)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     for name in _QUIETED_LOGGERS:
@@ -74,6 +77,8 @@ def quiet_libraries() -> None:
         if not any(isinstance(f, _DropHarmless) for f in logger.filters):  # called once per command
             logger.addFilter(_DropHarmless())
     quiet_warnings()
+    if loads_models:
+        import_bitsandbytes_offline()
     try:
         import datasets
         import transformers
@@ -83,6 +88,33 @@ def quiet_libraries() -> None:
         transformers.utils.logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+def import_bitsandbytes_offline() -> None:
+    """Import bitsandbytes (peft imports it) with the hub offline for that import alone. On a CPU with AVX-512 BF16
+    its import asks the hub, through `kernels`, for an optional kernel, with no deadline: behind a firewall that
+    drops packets every command that loads peft (push, merge, train) would hang there for minutes. Offline, a
+    kernel already in the local cache still loads; otherwise bitsandbytes uses its own. The switch (the hub
+    library's constant, read at each request, and the variable) is put back at once."""
+    if "bitsandbytes" in sys.modules:
+        return
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return
+    flag, variable = constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
+    constants.HF_HUB_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # optional, and its import fails on odd CUDA setups: peft's own import then says so
+        pass
+    finally:
+        constants.HF_HUB_OFFLINE = flag
+        if variable is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = variable
 
 
 _calls = threading.Lock()

@@ -30,6 +30,15 @@ _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 2, 4, 4
 
 
+# The mark of a field that names a file or folder of the user's (json_schema_extra). A launcher whose workers run
+# elsewhere (cluster/ray.py) makes every marked field absolute through `with_paths_changed`, so a path field added
+# without it is caught by tests/cluster/test_ray.py, not by a user's job failing on every worker.
+# "existing": made absolute when it names something that exists (else it is a hub id, a builtin or one of `names`);
+# "output": always (the run makes it).
+def path_mark(kind: Literal["existing", "output"] = "existing", names: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"path": kind, "names": list(names)}
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr: .inf
 
@@ -43,7 +52,8 @@ class RopeScalingSection(Section):
 
 
 class ModelSection(Section):
-    path: str = Field("builtin:tiny", description="builtin:tiny, builtin:smollm2-135m, a local folder or a hub id.")
+    path: str = Field("builtin:tiny", description="builtin:tiny, builtin:smollm2-135m, a local folder or a hub id.",
+                      json_schema_extra=path_mark())
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of the frozen base weights (auto: what the device computes fastest; "
                             "see workbench/precision.py)."
@@ -124,7 +134,7 @@ class QuantizationSection(Section):
 
 
 class DataSource(Section):
-    path: str = Field(..., description="jsonl/json/csv/parquet file or hub data set.")
+    path: str = Field(..., description="jsonl/json/csv/parquet file or hub data set.", json_schema_extra=path_mark())
     format: Literal[FORMAT_NAMES] | None = Field(None, description="its row layout; null: data.format.")
     weight: float = Field(1.0, gt=0, le=1000, description="its rows per epoch, as a multiple of the rows it has: 2 "
                                                           "repeats every row, 0.5 keeps a seeded half.")
@@ -151,8 +161,10 @@ class DataSection(Section):
                      Discriminator(_one_or_several)] = Field(
         "recipes/data/tiny_chat.jsonl",
         description="jsonl/json/csv/parquet file or hub data set, or a list of sources mixed into one training set: "
-                    "[{path, format, weight}, ...] (workbench/data.py mix_sources).")
-    eval: str | None = Field(None, description="held-out file; omitted: eval_split of train is held out.")
+                    "[{path, format, weight}, ...] (workbench/data.py mix_sources).",
+        json_schema_extra=path_mark())  # its list form: each source's own path is marked
+    eval: str | None = Field(None, description="held-out file; omitted: eval_split of train is held out.",
+                             json_schema_extra=path_mark())
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction of train held out when eval is not given.")
     split: str = Field("train", description="split name for hub data sets.")
     format: Literal[FORMAT_NAMES] = Field("chat", description="row layout (workbench/formats.py): "
@@ -163,7 +175,8 @@ class DataSection(Section):
     system_prompt: str | None = Field(None, description="system message added to chat/alpaca rows without one.")
     chat_template: str | None = Field(None, description="the chat template in place of the tokenizer's own: "
                                       + ", ".join(CHAT_TEMPLATES) + " (workbench/chat_templates.py) or the path of a "
-                                      "Jinja file; its turns must end with a token of the tokenizer's own.")
+                                      "Jinja file; its turns must end with a token of the tokenizer's own.",
+                                      json_schema_extra=path_mark(names=tuple(CHAT_TEMPLATES)))
     limit: int | None = Field(None, gt=0, description="use only the first N training rows.")
     streaming: bool = Field(False, description="read data.train as a stream (workbench/streaming.py): rows are "
                             "shuffled in a buffer, tokenized and packed as training reads them, with no copy or "
@@ -294,7 +307,8 @@ class DeepSpeedSection(Section):
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="optimizer states to CPU.")
     offload_params: Literal["none", "cpu"] = Field("none", description="parameters to CPU (stage 3).")
     save_16bit_model: bool = Field(True, description="gather 16-bit weights on save (stage 3).")
-    config_file: str | None = Field(None, description="a DeepSpeed JSON used instead of the generated one.")
+    config_file: str | None = Field(None, description="a DeepSpeed JSON file used instead of the generated one.",
+                                    json_schema_extra=path_mark())
 
 
 WEEK_S = 7 * 24 * 3600  # longer limits overflow torch's timedelta arithmetic
@@ -340,7 +354,8 @@ class DistributedSection(Section):
 
 
 class OutputSection(Section):
-    dir: str = Field("runs/{name}", description="run directory; {name} is the recipe name.")
+    dir: str = Field("runs/{name}", description="run directory; {name} is the recipe name.",
+                     json_schema_extra=path_mark("output"))
 
     @field_validator("dir")
     @classmethod
@@ -459,6 +474,46 @@ class Recipe(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir.format(name=self.name))
+
+
+def path_fields(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """{dotted name: path mark} of every field marked as a path (`path_mark`); a list's items are named `[]`."""
+    found = {}
+    for name, field in (model or Recipe).model_fields.items():
+        mark = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "path" in mark:
+            found[prefix + name] = mark
+        for nested, listed in _sections_in(field.annotation):
+            found |= path_fields(nested, f"{prefix}{name}{'[]' if listed else ''}.")
+    return found
+
+
+def with_paths_changed(recipe: Recipe, change) -> Recipe:
+    """The recipe with each path field's value (text, not null) replaced by change(value, mark)."""
+    data = recipe.to_dict()
+    _change_paths(Recipe, data, change)
+    return Recipe.from_dict(data, source="paths")
+
+
+def _change_paths(model: type[BaseModel], data: dict, change) -> None:
+    for name, field in model.model_fields.items():
+        value = data.get(name)
+        mark = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "path" in mark and isinstance(value, str):
+            data[name] = change(value, mark)
+        for nested, _ in _sections_in(field.annotation):
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, dict):
+                    _change_paths(nested, item, change)
+
+
+def _sections_in(annotation, listed: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The sections a field's type holds (through Optional, Union, Annotated and list), each with whether it
+    stands in a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, listed)]
+    inner = listed or getattr(annotation, "__origin__", None) is list
+    return [found for arg in getattr(annotation, "__args__", ()) for found in _sections_in(arg, inner)]
 
 
 def parse_recipe_yaml(text: str, source: str) -> Any:

@@ -4,8 +4,8 @@ leftovers of writers that were killed before the rename (a merged model can be l
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 from .hardware.current import process_alive
@@ -16,7 +16,25 @@ def merge_staging_folder(parent: Path) -> Path:
     merges and exports whose process is gone."""
     parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(parent)
-    return Path(tempfile.mkdtemp(prefix=f".merging-{os.getpid()}-", dir=parent))
+    # os.mkdir, not tempfile.mkdtemp: the folder is renamed into place as the user's output, and mkdtemp's 0700
+    # would make it private where the rest of the user's files follow the umask
+    while True:
+        folder = parent / f".merging-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def give_default_modes(folder: Path) -> None:
+    """The files under `folder` (made by os.mkdir, so its mode is 0777 less the umask) with the mode a plain
+    open() gives (0666 less the umask): safetensors writes through a private temporary file, and its 0600 would
+    keep a model that is shared by its folder's mode readable by its owner alone."""
+    mode = folder.stat().st_mode & 0o666
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def remove_leftovers(folder: Path) -> None:

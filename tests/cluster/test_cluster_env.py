@@ -305,3 +305,69 @@ def test_an_sbatch_arg_cannot_undo_what_the_script_sets(tmp_path, capsys):
         assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(tmp_path / "job.sbatch")]) == 2
         assert "is set by the script itself" in capsys.readouterr().err
     assert not (tmp_path / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("arg", ["--signal USR2@10", "--sig=USR2@10", "--si=USR2@10", "--no-requeue", "--requeue",
+                                 "--open=truncate", "--out /tmp/x.log", "--job=other", "--time 1", "--nodes 9",
+                                 "--gpus=8", "--ntasks=4", "-o /tmp/x.log", "-J other", "-t 1",
+                                 "--qos=high --signal=USR2@10", "--qos=high -o /tmp/x.log"])
+def test_an_sbatch_arg_cannot_set_the_scripts_options_in_any_spelling(tmp_path, capsys, arg):
+    # sbatch reads `--opt v` as `--opt=v` and any unique prefix of a long option as the option itself
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sbatch-arg: ") and len(err.splitlines()) == 1, err
+    assert not script.exists()
+
+
+def test_an_sbatch_arg_of_its_own_and_the_signal_bounds_of_slurm(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    for arg in ("--qos=high", "--nodelist node1", "--reservation=mine", "--mail-type=END"):  # none the script sets
+        assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 0, capsys.readouterr().err
+        assert f"#SBATCH {arg}\n" in script.read_text()
+    for seconds in ("0", "65535"):
+        assert main(["slurm", RECIPE, "--signal-before", seconds, "--script", str(script)]) == 0
+    capsys.readouterr()
+    for seconds in ("65536", "99999999", "-1"):
+        assert main(["slurm", RECIPE, "--signal-before", seconds, "--script", str(tmp_path / "b.sbatch")]) == 2
+        assert "--signal-before: seconds from 0 to 65535" in capsys.readouterr().err
+
+
+def test_a_script_written_elsewhere_has_its_log_folder_made(tmp_path):
+    # SLURM opens #SBATCH --output before the job runs and makes no folder: a missing one ends the job, logless
+    runs = tmp_path / "first" / "runs"
+    script = tmp_path / "scripts" / "job.sbatch"
+    assert main(["slurm", RECIPE, f"output.dir={runs}/{{name}}", "--script", str(script)]) == 0
+    log = next(line for line in script.read_text().splitlines() if line.startswith("#SBATCH --output="))
+    assert Path(log.removeprefix("#SBATCH --output=")).parent == runs and runs.is_dir()
+
+
+def test_the_readmes_hand_written_sbatch_lines_set_master_addr_before_using_it():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.partition("Written by hand, the essential lines are:")[2].split("```bash\n", 1)[1].split("```")[0]
+    assert "$MASTER_ADDR" in block  # SLURM sets no MASTER_ADDR: the lines set it, as the generated script does
+    assert block.index('export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"') < \
+        block.index("$MASTER_ADDR:")
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+@pytest.mark.parametrize("address", ["10.0.0.1 10.0.0.2", "10.0.0.1:29500", " ", "node\x1b[2J", "-h"])
+def test_a_malformed_master_addr_is_refused_in_one_line_naming_it(monkeypatch, capsys, tmp_path, command, address):
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    argv = [command, RECIPE, f"output.dir={tmp_path}/run", *(["--dry-run"] if command == "launch" else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    named = "error: MASTER_ADDR" if address.strip() else "error: MASTER_PORT is set ('29500') but MASTER_ADDR is not"
+    assert err.startswith(named) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_master_host_is_an_address_or_a_name(monkeypatch, capsys):
+    for address in ("10.0.0.1", "::1", "job-0.svc.cluster.local", "node_7"):
+        launch_defaults({"MASTER_ADDR": address, "MASTER_PORT": "29500"})
+    for master in ("a b:29500", "a:b:29500", "[x]:1"):
+        assert main(["launch", RECIPE, "--dry-run", "--master", master]) == 2
+        assert capsys.readouterr().err.startswith("error: --master: ")
+    with pytest.raises(RecipeError, match="^MASTER_PORT: "):
+        launch_defaults({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500x"})

@@ -3,6 +3,7 @@ makes Ray restart the group, which resumes from the last checkpoint and ends wit
 uninterrupted two-process torchrun run. Skipped, saying why, where Ray is not installed."""
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import WorkbenchError
-from workbench.recipe import Recipe
+from workbench.recipe import Recipe, _sections_in, path_fields
 from workbench.runs import RunDir
 
 from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
@@ -85,6 +86,59 @@ def test_paths_are_made_absolute_before_workers_start(tmp_path):
     mix = anchored(recipe.override("data.train=[data/train.jsonl, {path: someone/a-dataset, weight: 2}]"), tmp_path)
     assert [(s.path, s.weight) for s in mix.data.train] == [(str(tmp_path / "data" / "train.jsonl"), 1.0),
                                                              ("someone/a-dataset", 2.0)]
+
+
+# a relative value that exists under the submitting folder, for each path field of the recipe
+RELATIVE = {"model.path": "models/base", "data.train": "data/train.jsonl", "data.train[].path": "data/more.jsonl",
+            "data.eval": "data/eval.jsonl", "data.chat_template": "templates/chat.jinja",
+            "distributed.deepspeed.config_file": "ds/zero.json", "output.dir": "runs/{name}"}
+
+
+def field_value(recipe: Recipe, name: str):
+    value = recipe
+    for part in name.split("."):
+        value = getattr(value, part.removesuffix("[]"))
+        value = value[0] if part.endswith("[]") else value
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(path_fields()))
+def test_every_path_field_of_the_recipe_is_anchored(name, tmp_path):
+    from workbench.cluster.ray import anchored
+
+    assert name in RELATIVE, f"{name}: a path field with no relative value in this test"
+    value = RELATIVE[name]
+    (tmp_path / value).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / value).write_text("{}\n")
+    override = f"{name.removesuffix('[].path')}=[{{path: {value}}}]" if "[]" in name else f"{name}={value}"
+    recipe = Recipe.load(RECIPE, ["data.eval=null", override])
+    assert field_value(recipe, name) == value
+    assert field_value(anchored(recipe, tmp_path), name) == str(tmp_path / value)
+
+
+def test_a_registered_chat_template_stays_a_name_beside_a_file_of_that_name(tmp_path):
+    from workbench.cluster.ray import anchored
+
+    (tmp_path / "chatml").write_text("not this one")
+    recipe = Recipe.load(RECIPE, ["data.chat_template=chatml"])
+    assert anchored(recipe, tmp_path).data.chat_template == "chatml"
+
+
+def test_every_field_that_names_a_file_or_folder_is_marked_as_a_path():
+    """A field whose name or description speaks of a file, folder or directory and that takes text must carry
+    recipe.path_mark: else `workbench ray` would leave it relative to the workers' folder."""
+    def text_fields(model, prefix=""):
+        for name, field in model.model_fields.items():
+            if "str" in str(field.annotation):
+                yield prefix + name, name, field.description or ""
+            for nested, listed in _sections_in(field.annotation):
+                yield from text_fields(nested, f"{prefix}{name}{'[]' if listed else ''}.")
+
+    speaks = re.compile(r"\b(file|folder|dir|directory|path)\b|_(file|dir|path)$|^path$")
+    named = {full for full, name, description in text_fields(Recipe)
+             if speaks.search(name) or speaks.search(description)}
+    assert {"data.eval", "output.dir", "data.chat_template"} <= named  # the search sees the schema
+    assert named - set(path_fields()) == set()
 
 
 def test_a_missing_data_file_is_one_line_before_ray_starts(tmp_path):

@@ -7,7 +7,9 @@ PET_NODE_RANK, with MASTER_ADDR and MASTER_PORT; an Indexed Job gives each pod J
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +31,11 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> None:
             have, missing = (one, other) if env.get(one, "").strip() else (other, one)
             raise RecipeError(f"{have} is set ({env[have]!r}) but {missing} is not: a launcher sets both; set "
                               f"{missing} too, or unset {have}")
+    if env.get("MASTER_ADDR", "").strip():
+        check_host("MASTER_ADDR", env["MASTER_ADDR"])
+    port = env.get("MASTER_PORT", "").strip()
+    if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise RecipeError(f"MASTER_PORT: expected a port from 1 to 65535, got {port!r}")
     world = env.get("WORLD_SIZE", "").strip()
     if world.isascii() and world.isdigit() and int(world) > 1 and not env.get("MASTER_ADDR", "").strip():
         import torch.distributed as dist
@@ -37,6 +44,23 @@ def check_launch_env(env: Mapping[str, str] | None = None) -> None:
             raise RecipeError(f"WORLD_SIZE is {world} but MASTER_ADDR and MASTER_PORT are not set: the processes "
                               "cannot find each other; start them with `workbench launch` (or set both), or unset "
                               "RANK and WORLD_SIZE left over from another launch")
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
+
+
+def check_host(name: str, host: str) -> None:
+    """RecipeError naming `name` unless `host` is an IP address or a host name: a value with a space, a port
+    (`host:port`) or nothing at all would otherwise surface as a traceback of torchrun's rendezvous."""
+    host = host.strip()
+    try:
+        ipaddress.ip_address(host)  # IPv6 holds colons of its own
+        return
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(host):
+        raise RecipeError(f"{name}: expected the IP address or host name of the rank-0 machine, got {host!r}"
+                          + (" (the port goes in MASTER_PORT)" if ":" in host and name == "MASTER_ADDR" else ""))
 
 
 @dataclass

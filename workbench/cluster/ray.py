@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import Interrupted, RecipeError, WorkbenchError
 from ..preflight import check_data_files
-from ..recipe import Recipe
+from ..recipe import Recipe, with_paths_changed
 from ..runs import RunDir, TrainResult, read_result
 
 
@@ -91,22 +91,17 @@ def _train_on_worker(config: dict) -> None:
 
 
 def anchored(recipe: Recipe, base: Path) -> Recipe:
-    """The recipe with its local paths absolute against `base`: the data files, a local model folder, a DeepSpeed
-    config file and the output folder. Hub ids and builtin models stay as they are."""
-    def local(value: str | None) -> str | None:
-        if not value or Path(value).is_absolute() or not (base / value).exists():
+    """The recipe with its local paths absolute against `base`, as the workers run elsewhere: every field the
+    schema marks as a path (recipe.path_fields: data files, a local model folder, a chat template file, a
+    DeepSpeed config file, the output folder). Hub ids, builtin models and registered names stay as they are."""
+    def local(value: str, mark: dict) -> str:
+        if mark["path"] == "output":
+            return value if Path(value).is_absolute() else str(base.resolve() / value)
+        if not value or value in mark["names"] or Path(value).is_absolute() or not (base / value).exists():
             return value
         return str((base / value).resolve())
 
-    train = recipe.data.train
-    if not isinstance(train, str):
-        train = [source.model_copy(update={"path": local(source.path)}).model_dump() for source in train]
-    changes = {"data.train": local(train) if isinstance(train, str) else train, "data.eval": local(recipe.data.eval),
-               "model.path": local(recipe.model.path),
-               "distributed.deepspeed.config_file": local(recipe.distributed.deepspeed.config_file),
-               "output.dir": recipe.output.dir if Path(recipe.output.dir).is_absolute()
-               else str(base.resolve() / recipe.output.dir)}
-    return recipe.override(**{k.replace(".", "__"): v for k, v in changes.items()})
+    return with_paths_changed(recipe, local)
 
 
 @contextmanager

@@ -56,7 +56,9 @@ def requeue_self() -> str:
 OWN_OPTIONS = {"--cpus-per-task": "--cpus-per-task", "--nodes": "--nodes", "--ntasks-per-node": "--nproc-per-node",
                "--gpus-per-node": "--gpus-per-node", "--output": "output.dir=...", "--open-mode": "(always append)",
                "--signal": "--signal-before", "--time": "--time", "--partition": "--partition",
-               "--account": "--account", "--job-name": "name=..."}
+               "--account": "--account", "--job-name": "name=...", "--requeue": "(always requeue)",
+               "--no-requeue": "(always requeue)"}
+SIGNAL_BEFORE_MAX = 65535  # SLURM keeps --signal's seconds in 16 bits
 SCRIPT_MARK = "#!/bin/bash\n# workbench slurm"  # how a script this command wrote begins
 
 
@@ -86,8 +88,8 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
     if cpus < nproc:
         raise RecipeError(f"--cpus-per-task: {cpus} CPUs for {nproc} processes per machine; give each process at "
                           f"least one (--cpus-per-task {nproc} or more)")
-    if signal_before_s < 0:
-        raise RecipeError(f"--signal-before: seconds, 0 or more, got {signal_before_s}")
+    if not 0 <= signal_before_s <= SIGNAL_BEFORE_MAX:
+        raise RecipeError(f"--signal-before: seconds from 0 to {SIGNAL_BEFORE_MAX}, got {signal_before_s}")
     # each value lands on a line of a shell script: a line break (or any control character) would start a command
     for flag, value in (("RECIPE", str(recipe_path)), *(("key=value", o) for o in overrides), ("--time", time),
                         ("--partition", partition), ("--account", account), ("--script", script),
@@ -99,12 +101,7 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
         if value is not None and (not value or any(c.isspace() for c in value)):
             raise RecipeError(f"{flag}: one word without spaces, got {value!r}")
     for arg in extra or []:
-        if not arg.startswith("--"):
-            raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high, got {arg!r}")
-        option = arg.split("=", 1)[0]
-        if option in OWN_OPTIONS:  # a later #SBATCH line wins: it would undo what the script needs
-            raise RecipeError(f"--sbatch-arg: {option} is set by the script itself; use `workbench slurm "
-                              f"{OWN_OPTIONS[option]}` instead")
+        _check_extra(arg)
     recipe = Recipe.load(recipe_path, overrides)
     run_dir = Path(recipe.run_dir).absolute()
     if any(ord(c) < 32 for c in str(run_dir)):
@@ -143,11 +140,41 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
     if path.exists() and not (path.is_file() and path.read_text(errors="replace").startswith(SCRIPT_MARK)):
         raise RecipeError(f"--script: {path} exists and is not a script `workbench slurm` wrote; choose a new path")
     try:
+        # SLURM opens the log before the job's first line runs and never makes its folder: a job whose log
+        # folder is missing (a first run, its script written elsewhere) would end at once, with no log at all
+        log.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RecipeError(f"output.dir: cannot create {log.parent} for the job's log ({err.strerror or err})") from None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as err:
         raise RecipeError(f"--script: cannot write {path} ({err.strerror or err})") from None
     return SbatchPlan(text, path, log)
+
+
+def _check_extra(arg: str) -> None:
+    """Refuse an --sbatch-arg that would set an option the script sets itself: a later #SBATCH line wins, and it
+    would undo what the script needs. sbatch reads `--opt=v` and `--opt v` alike and takes any unique prefix of a
+    long option for the option (`--sig` is --signal), so every prefix of the script's own options is refused.
+    Short options (-o, -J, -t, ...) are refused outright: several stand for the script's own."""
+    if not arg.startswith("--"):
+        raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high (its long form), got {arg!r}")
+    # sbatch reads every option on an #SBATCH line: `--qos=high --signal=X` sets both
+    for word in arg.split():
+        if word.startswith("-"):
+            _check_option(word.split("=", 1)[0], arg)
+
+
+def _check_option(option: str, arg: str) -> None:
+    if not option.startswith("--"):
+        raise RecipeError(f"--sbatch-arg: {arg!r} holds the short option {option}; give sbatch options in their "
+                          "long form (--qos=high)")
+    own = next((name for name in OWN_OPTIONS if name.startswith(option)), None)
+    if own is not None:
+        what = f"{own} is" if option == own else f"{option} abbreviates or overrides {own}, which is"
+        raise RecipeError(f"--sbatch-arg: {what} set by the script itself; use `workbench slurm "
+                          f"{OWN_OPTIONS[own]}` instead")
 
 
 def submit(path: Path) -> str:

@@ -6,7 +6,7 @@ import os
 import time
 
 from .. import heap
-from ..errors import RecipeError
+from ..errors import RecipeError, printable
 from ..cluster.env import check_launch_env
 from ..quiet import leaves_the_process_as_found, quiet_libraries
 from ..recipe import Recipe
@@ -40,7 +40,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool | str = Fal
     if auto:
         decision = auto_resume(recipe, RunDir(recipe.run_dir), world_size_from_env())
         if decision == "done":  # a job restarted after its run completed: nothing left to train
-            print(f"{recipe.run_dir}: the run has completed; nothing to resume", flush=True)
+            print(f"{printable(recipe.run_dir)}: the run has completed; nothing to resume", flush=True)
             return read_result(recipe.run_dir)
         resume, overwrite = decision == "resume", decision == "replace"
     heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)

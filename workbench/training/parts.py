@@ -12,7 +12,7 @@ import torch
 from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
 from ..data import STAND_IN
 from ..distributed import full_state_dict, host_transfer, unwrap
-from ..errors import WorkbenchError
+from ..errors import WorkbenchError, reported_as_write_error
 from ..inference import Answer, answer
 from ..model_card import write_model_card_or_warn
 from ..recipe import Recipe
@@ -149,14 +149,18 @@ def save_adapter(accelerator, model, tokenizer, run: RunDir, recipe: Recipe,
         # previous adapter (or none), never a half-written one
         staging = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(staging, ignore_errors=True)
-        if initial is not None:
-            with saving_converted(unwrapped):
-                unwrapped.save_pretrained(staging, state_dict=initial.convert(state), safe_serialization=True)
-        else:
-            unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        write_model_card_or_warn(staging, run.path, "adapter" if recipe.adapter.method != "full" else "merged")
-        replace_folder(staging, target)
+        try:
+            with reported_as_write_error(target):
+                if initial is not None:
+                    with saving_converted(unwrapped):
+                        unwrapped.save_pretrained(staging, state_dict=initial.convert(state), safe_serialization=True)
+                else:
+                    unwrapped.save_pretrained(staging, state_dict=state, safe_serialization=True)
+                tokenizer.save_pretrained(staging)
+                write_model_card_or_warn(staging, run.path, "adapter" if recipe.adapter.method != "full" else "merged")
+                replace_folder(staging, target)
+        finally:  # a write that failed (a full disk, a file size limit) leaves no half adapter behind
+            shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 

@@ -26,7 +26,7 @@ from ..streaming import StreamBatches, stream_data
 from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
                            configure_threads, host_transfer, local_parameter_elements, patience,
                            release_accelerator_state, unwrap, verify_launch)
-from ..errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError
+from ..errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
 from ..fastpath import apply_fast_paths, compile_layers, lora_fast_paths
 from ..hardware.catalogue import peak_flops
 from ..hardware.current import local_kind, node_count, world_size_from_env
@@ -106,10 +106,10 @@ class TrainingSession:
         if accelerator.num_processes > 1:
             accelerator.print(f"layout: {self.layout.name} ({why}), {accelerator.num_processes} processes, "
                               f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
-        for line in self.resuming.notes:
-            accelerator.print(line)
+        for line in self.resuming.notes:  # notes and warnings name paths and recipe values: escaped for the terminal
+            accelerator.print(printable(line))
         for warning in warnings:
-            accelerator.print(f"warning: {warning}")
+            accelerator.print(f"warning: {printable(warning)}")
         self.state, self.heartbeat = Progress(), Heartbeat(accelerator)
 
     def execute(self) -> TrainResult:
