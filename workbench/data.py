@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .builtin import cache_dir
+from .chat_templates import TemplateBudgetError
 from .errors import DataError
 from . import formats
 from .formats import format_of
@@ -449,7 +450,15 @@ def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
     try:
         return render(row, tokenizer, cfg.system_prompt, where)
     except TemplateError as err:
-        raise DataError(f"{where}: the tokenizer's chat template refuses this row: {first_line(err)}") from None
+        raise DataError(f"{where}: {template_name(cfg)} refuses this row: {first_line(err)}") from None
+    except TemplateBudgetError as err:
+        raise DataError(f"{where}: {template_name(cfg)} gives up on this row: {err}") from None
+
+
+def template_name(cfg: DataSection) -> str:
+    """How messages name the template that renders rows: the recipe's file or registered name, or the model's."""
+    return (f"the chat template {cfg.chat_template} (data.chat_template)" if cfg.chat_template
+            else "the tokenizer's chat template")
 
 
 # -- the prepared data set --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import chat_templates
 from .errors import DataError, ModelError
 
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that completes the request.\n\n"
@@ -78,7 +79,7 @@ def chat_segments(tokenizer, messages: list[dict]) -> Segments:
     """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes."""
 
     def render(msgs, generation_prompt=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return chat_templates.render(tokenizer, msgs, add_generation_prompt=generation_prompt)
 
     segments, previous = [], ""
     for i, message in enumerate(messages):
