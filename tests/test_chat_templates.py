@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.chat_templates import NAMES, TEMPLATES, use_chat_template
+from workbench.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
 from workbench.cli import main
 from workbench.data import tokenize_segments
 from workbench.errors import RecipeError
@@ -243,22 +243,27 @@ def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack,
         load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
 
 
-def test_a_row_on_which_a_template_would_not_finish_is_named_with_its_line(tmp_path, capsys):
-    """The template passes the check of its turn's end and loops on one row only: that row's file:line."""
+@pytest.mark.parametrize("guarded, message", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+     f"gives up on this row: it ran past {STEPS:,} loop iterations"),
+    ("{{ 1 // 0 }}", "fails on this row: integer division or modulo by zero"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "fails on this row: maximum recursion depth exceeded"),
+])
+def test_a_row_on_which_a_template_fails_is_named_with_its_line(tmp_path, capsys, guarded, message):
+    """The template passes the check of its turn's end and fails on one row only, the one with a system message:
+    that row's file:line and why, in one line, read whole or streamed."""
     (tmp_path / "t.jinja").write_text(
-        "{% if messages[0]['content'] == 'loop' %}{% for i in range(99999) %}{% for j in range(99999) %}"
-        "{% endfor %}{% endfor %}{% endif %}" + CHATML_TURNS)
+        "{% if messages[0]['role'] == 'system' %}" + guarded + "{% endif %}" + CHATML_TURNS)
     rows = [{"messages": messages([("user", "hi"), ("assistant", "hello")])},
-            {"messages": messages([("user", "loop"), ("assistant", "hello")])}]
+            {"messages": messages([("system", "S"), ("user", "hi"), ("assistant", "hello")])}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     for streaming in ("false", "true"):
         assert main(["data", "recipes/tiny.yaml", f"data.chat_template={tmp_path}/t.jinja",
                      f"data.train={tmp_path}/d.jsonl", "data.eval=null", "data.format=chat",
                      f"data.streaming={streaming}", "training.max_steps=2"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1, err
-        assert f"d.jsonl:2: the chat template {tmp_path}/t.jinja (data.chat_template) gives up on this row: it ran " \
-               "past" in err[0], err
+        assert len(err) == 1 and err[0].startswith(
+            f"error: {tmp_path}/d.jsonl:2: the chat template {tmp_path}/t.jinja (data.chat_template) {message}"), err
 
 
 @pytest.mark.parametrize("file", sorted(p.name for p in REFERENCES.glob("*.jinja")) + ["chatml"])

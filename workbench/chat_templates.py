@@ -159,8 +159,14 @@ OUTPUT_CHARS = 16 << 20  # characters written beyond the messages' own (which a 
 _OUTPUT_COPIES = 4  # how many times a template may write each message's text (Qwen writes tool calls twice)
 
 
-class TemplateBudgetError(Exception):
-    """A chat template ran past its budget of work or output; the caller names the template and the row."""
+class TemplateFailure(Exception):
+    """A chat template failed on its input other than by refusing it (jinja's TemplateError, which
+    `raise_exception` raises): 1/0, endless recursion, a method given the wrong type. The caller names the template
+    and the row."""
+
+
+class TemplateBudgetError(TemplateFailure):
+    """A chat template ran past its budget of work or output."""
 
 
 class _Budget:
@@ -284,7 +290,11 @@ def _compiled(source: str):
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
     """What `tokenizer.apply_chat_template(messages, tokenize=False, ...)` renders, within the budget (else
-    TemplateBudgetError). Tokenize the text with add_special_tokens=False, as apply_chat_template does."""
+    TemplateBudgetError); any other failure of the template's own code is a TemplateFailure, jinja's TemplateError
+    (the template refusing the conversation) passes as it is. Tokenize the text with add_special_tokens=False, as
+    apply_chat_template does."""
+    from jinja2 import TemplateError
+
     source = tokenizer.chat_template
     if not isinstance(source, str):  # a tokenizer holding several named templates: its default one
         source = tokenizer.get_chat_template()
@@ -300,6 +310,10 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
             budget.write(len(part), limit)
             parts.append(part)
         return "".join(parts)
+    except (TemplateFailure, TemplateError):
+        raise
+    except Exception as err:  # noqa: BLE001  a template is code: it can fail in any way (1/0, recursion, memory)
+        raise TemplateFailure(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__) from None
     finally:
         _BUDGET.reset(token)
 
@@ -328,7 +342,7 @@ def end_of_turn(tokenizer, name: str) -> str:
     model tuned on it would never learn to stop."""
     try:
         text = render(tokenizer, _PROBE)
-    except TemplateBudgetError as err:
+    except TemplateFailure as err:
         raise RecipeError(f"{FIELD}: {name} cannot render a user message and a reply: {err}") from None
     except Exception as err:  # noqa: BLE001  a user's template can fail in any way (1/0, recursion, memory)
         raise RecipeError(f"{FIELD}: {name} cannot render a user message and a reply: "

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .builtin import cache_dir
-from .chat_templates import TemplateBudgetError
+from .chat_templates import TemplateBudgetError, TemplateFailure
 from .errors import DataError
 from . import formats
 from .formats import format_of
@@ -453,6 +453,8 @@ def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
         raise DataError(f"{where}: {template_name(cfg)} refuses this row: {first_line(err)}") from None
     except TemplateBudgetError as err:
         raise DataError(f"{where}: {template_name(cfg)} gives up on this row: {err}") from None
+    except TemplateFailure as err:
+        raise DataError(f"{where}: {template_name(cfg)} fails on this row: {err}") from None
 
 
 def template_name(cfg: DataSection) -> str:

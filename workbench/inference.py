@@ -226,13 +226,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The conversation rendered with the tokenizer's chat template for the model to answer; a template that runs
-    past its budget (a run's template is a file anyone may have written) is one line, not a hung server."""
-    from .chat_templates import TemplateBudgetError, render_ids
+    past its budget or fails (a run's template is a file anyone may have written) is one line, not a hung server
+    or a traceback."""
+    from .chat_templates import TemplateFailure, render_ids
 
     try:
         return render_ids(tokenizer, messages, add_generation_prompt=True)
-    except TemplateBudgetError as err:
-        raise WorkbenchError(f"the model's chat template gives up on this conversation: {err}") from None
+    except TemplateFailure as err:
+        raise WorkbenchError(f"the model's chat template cannot render this conversation: {err}") from None
 
 
 @torch.no_grad()
