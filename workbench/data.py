@@ -345,12 +345,35 @@ def check_row(row: dict, fmt: str, where: str) -> None:
     format_of(fmt).check(row, where)
 
 
+# Tokenizing takes ~175 bytes of memory per character of text: a 50 MB line would take 9 GB only to be cut to
+# data.max_seq_len tokens. So a text is tokenized only as far as truncation keeps it: cut after enough characters
+# for the tokens still wanted and a margin, the first guess doubled until the cut text gives that many. A cut
+# changes only the last few tokens before it, which the margin holds: the tokens kept are the whole text's own.
+CUT_MARGIN = 64  # tokens tokenized past those kept
+CHARS_PER_TOKEN = 8  # the first guess (text holds 3 to 5 characters per token; a longer token is found by doubling)
+
+
+def leading_ids(tokenizer, text: str, wanted: int) -> list[int]:
+    """The token ids of `text`, or its first `wanted` (or more) where it holds more: what truncation keeps of it,
+    found with memory bounded by `wanted` rather than by the text's length."""
+    chars = (wanted + CUT_MARGIN) * CHARS_PER_TOKEN
+    while chars < len(text):
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) >= wanted + CUT_MARGIN:
+            return ids[:wanted]
+        chars *= 2
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     """One sample: token ids, labels (IGNORE where no loss is taken), truncated to data.max_seq_len."""
     input_ids: list[int] = []
     labels: list[int] = []
     for text, is_answer in segments:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        wanted = cfg.max_seq_len + 1 - len(input_ids)  # one past the limit tells that truncation cut the sample
+        if wanted <= 0:
+            break  # truncation drops the rest whole
+        ids = leading_ids(tokenizer, text, wanted)
         if is_answer and tokenizer.eos_token_id not in ids:
             ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop
         input_ids += ids
