@@ -30,8 +30,20 @@ _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 2, 4, 4
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr: .inf
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_for_a_number(cls, value, info):
+        """pydantic reads true as 1 and false as 0 (`shuffle_buffer: true` would mean a buffer of one row, no
+        shuffling): a number field takes a number."""
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
 
 
 class RopeScalingSection(Section):
