@@ -46,12 +46,18 @@ class Section(BaseModel):
         return value
 
 
+# Positions a model may say it was trained for: 16 M, above every published model's (1 M at most); a larger
+# number is a typo, which times the factor would become a context no check could refuse.
+LONGEST_TRAINED_CONTEXT = 1 << 24
+
+
 class RopeScalingSection(Section):
     type: Literal["linear", "dynamic", "yarn", "llama3"] = Field(
         ..., description="how positions stretch (see workbench/rope_scaling.py).")
     factor: float = Field(..., gt=1, le=64, description="the new context is the original times this.")
     original_max_position_embeddings: int | None = Field(
-        None, gt=0, strict=True, description="the context the model was trained for (default: its config's).")
+        None, gt=0, le=LONGEST_TRAINED_CONTEXT, strict=True,
+        description="the context the model was trained for (default: its config's).")
 
 
 class ModelSection(Section):
