@@ -33,7 +33,7 @@ from .formats import format_of
 from .recipe import DataSection
 
 IGNORE = -100
-PIPELINE_VERSION = "2"  # bump when tokenization output changes, to invalidate caches
+PIPELINE_VERSION = "3"  # bump when tokenization output changes, to invalidate caches
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -415,7 +415,7 @@ def _tokenize_unpaired(row: dict, tokenizer, cfg: DataSection, where: str, share
 
     def sample(answer_text: str) -> dict:
         def render(*_):
-            return formats.answer_segments(unpaired.prompt, answer_text, tokenizer, where)
+            return formats.unpaired_segments(unpaired, answer_text, tokenizer, where)
         return tokenize_segments(_rendered(render, row, tokenizer, cfg, where), tokenizer, cfg)
 
     answer = sample(unpaired.completion)
