@@ -221,13 +221,15 @@ def test_a_run_saves_its_template_beside_its_adapter_and_into_its_gguf(tmp_path)
 
 # -- templates that would never finish -------------------------------------------------------------
 
-CHATML_TURNS = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+CHATML_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}")
 
 
 @pytest.mark.parametrize("attack, message", [
     ("{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}", r"ran past [\d,]+ loop"),
     ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"ran past [\d,]+ loop"),
-    ("{% for i in range(99999) recursive %}{{ loop(range(99999)) if loop.depth == 1 }}{% endfor %}", r"ran past [\d,]+ loop"),
+    ("{% for i in range(99999) recursive %}{{ loop(range(99999)) if loop.depth == 1 }}{% endfor %}",
+     r"ran past [\d,]+ loop"),
     ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
      r"builds a value of more than"),
     ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
