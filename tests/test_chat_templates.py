@@ -236,6 +236,15 @@ CHATML_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + 
      r"builds a value of more than"),
     ("{{ 'x' * 999999999 }}", r"repeats a sequence 999,999,999 times"),
     ("{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}", r"wrote more than"),
+    ("{{ 'x'|center(999999999) }}", r"asks center for a width of more than"),
+    ("{{ 'x'.ljust(999999999) }}", r"asks ljust for a width of more than"),
+    ("{{ 'x'|indent(999999999, true) }}", r"asks indent for a width of more than"),
+    ("{{ '%0999999999d' % 1 }}", r"formats with a width of more than"),
+    ("{{ '%0999999999d'|format(1) }}", r"formats with a width of more than"),
+    ("{{ '{:>999999999}'.format(1) }}", r"formats with a width of more than"),
+    ("{{ range(99999)|join('x' * 99999) }}", r"calls join for a value of more than"),
+    ("{{ ('x' * 9999999).join(['a'] * 9999) }}", r"calls join for a value of more than"),
+    ("{{ ('x' * 99999)|replace('x', 'y' * 99999) }}", r"calls replace for a value of more than"),
 ])
 def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack, message):
     """Jinja's sandbox caps one range(), not two nested ones: the work of a render has a budget of its own."""

@@ -21,6 +21,7 @@ any thread (the UI renders in its server's) and changes nothing in the process t
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
@@ -202,11 +203,59 @@ def _bounded(value):
     return value
 
 
+# What can build a value past the output budget in one operation, before the budget could see it
+_WIDTHS = {"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap"}  # their numbers are widths
+_FORMATS = {"format", "format_map", "%"}  # their string is a format, whose widths are in it
+_HUGE_FORMAT = re.compile(r"%[-+ #0]*\d*\.?\d{8,}|\{[^{}]*:[^{}]*\d{8,}[^{}]*\}")  # '%0999999999d', '{:>999999999}'
+
+
+def _checked_arguments(name: str, subject, args, kwargs) -> None:
+    """Refuse, before it is built, a value that one call or filter would make longer than the output budget: a width
+    of more than OUTPUT_CHARS (`'x'|center(10**9)`), a format with such a width, a replacement or a join that long.
+    `subject`: the string or sequence the call works on (a method's string, a filter's value)."""
+    values = (*args, *kwargs.values())
+    if name in _WIDTHS and any(isinstance(v, int) and abs(v) > OUTPUT_CHARS for v in values):
+        raise TemplateBudgetError(f"it asks {name} for a width of more than {OUTPUT_CHARS:,} characters")
+    if name in _FORMATS and isinstance(subject, str) and _HUGE_FORMAT.search(subject):
+        raise TemplateBudgetError(f"it formats with a width of more than {OUTPUT_CHARS:,} characters")
+    size = None
+    if name == "replace" and isinstance(subject, str) and len(args) >= 2 and isinstance(args[1], str):
+        size = len(subject) + (len(subject) + 1) * len(args[1])  # every position of the subject replaced, at most
+    elif name == "join" and isinstance(subject, (str, list, tuple)):
+        separator = str(args[0]) if args else ""
+        items = len(subject) if isinstance(subject, str) else sum(len(str(item)) for item in subject)
+        size = items + len(separator) * len(subject)
+    budget = _BUDGET.get()
+    if size is not None and budget is not None and size > budget.limit:
+        raise TemplateBudgetError(f"it calls {name} for a value of more than {budget.limit:,} characters")
+
+
 def _counted(iterable):
     """A for-loop's items, each charged a step: nested loops multiply their work, which only a count bounds."""
     for item in iterable:
         _charge()
         yield item
+
+
+def _checked_filter(name: str, function):
+    """A filter charged a step and its arguments checked (_checked_arguments): the compiled template calls filters
+    directly, not through the sandbox's `call`."""
+    from functools import wraps
+
+    skip = 1 if getattr(function, "jinja_pass_arg", None) else 0  # the context or environment comes first
+
+    @wraps(function)  # keeps jinja's pass_context / pass_environment mark
+    def checked(*args, **kwargs):
+        _charge()
+        if len(args) > skip:
+            subject = args[skip]
+            if name == "join" and not isinstance(subject, str):
+                subject = list(subject)
+                args = (*args[:skip], subject, *args[skip + 1:])
+            _checked_arguments(name, subject, args[skip + 1:], kwargs)
+        return function(*args, **kwargs)
+
+    return checked
 
 
 @lru_cache(maxsize=1)
@@ -233,7 +282,7 @@ def _environment():
             return nodes.Scope(body, lineno=lineno)
 
     class Sandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(("*", "**", "+"))
+        intercepted_binops = frozenset(("*", "**", "+", "%"))  # also keeps jinja from folding them at compile time
 
         def _parse(self, source, name, filename):
             tree = super()._parse(source, name, filename)
@@ -254,6 +303,15 @@ def _environment():
             _charge()
             if isinstance(__obj, jinja2.runtime.LoopContext) and args:  # a recursive loop's `loop(children)`
                 args = (_counted(args[0]), *args[1:])
+            method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format in a function of its own
+            name, owner = getattr(method, "__name__", ""), getattr(method, "__self__", None)
+            if isinstance(owner, str):  # a string's method: 'x'.ljust(n), '{:>9}'.format(x), ', '.join(items)
+                if name == "join" and args:
+                    items = list(args[0])
+                    _checked_arguments("join", items, (owner,), {})
+                    args = (items, *args[1:])
+                else:
+                    _checked_arguments(name, owner, args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
@@ -266,6 +324,8 @@ def _environment():
             if operator == "**" and isinstance(right, int) and abs(right) > 1024 and \
                     not (isinstance(left, (int, float)) and abs(left) <= 1):
                 raise TemplateBudgetError(f"it raises a number to the power {right:,}")
+            if operator == "%":
+                _checked_arguments("%", left, (), {})
             return _bounded(super().call_binop(context, operator, left, right))
 
     def raise_exception(message):
@@ -276,6 +336,8 @@ def _environment():
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
+    for name, function in list(env.filters.items()):
+        env.filters[name] = _checked_filter(name, function)
     env.filters["_counted"] = _counted
     env.filters["_bounded"] = _bounded
     env.globals["raise_exception"] = raise_exception
