@@ -179,10 +179,10 @@ class _Budget:
         if self.steps < 0:
             raise TemplateBudgetError(f"it ran past {STEPS:,} loop iterations and calls (a loop without a bound?)")
 
-    def write(self, chars: int, limit: int) -> None:
+    def write(self, chars: int) -> None:
         self.output -= chars
         if self.output < 0:
-            raise TemplateBudgetError(f"it wrote more than {limit:,} characters")
+            raise TemplateBudgetError(f"it wrote more than {self.limit:,} characters")
 
 
 _BUDGET: ContextVar[_Budget | None] = ContextVar("workbench_chat_template_budget", default=None)
@@ -261,8 +261,8 @@ def _checked_filter(name: str, function):
 @lru_cache(maxsize=1)
 def _environment():
     """transformers' chat-template sandbox (utils/chat_template_utils.py: same options, filters and globals, so
-    that a template renders the same text), with every loop iteration and call charged to the render's budget,
-    and repetition (`*`, `**`) refused where its result would outgrow the output budget."""
+    that a template renders the same text, and no weaker), with every loop iteration, call and filter charged to
+    the render's budget, and an operation refused where its result would outgrow the output budget."""
     import json
     from datetime import datetime
 
@@ -342,7 +342,44 @@ def _environment():
     env.filters["_bounded"] = _bounded
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _namespace_class()
     return env
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, as transformers gives them: not the dict type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _namespace_class():
+    """jinja's namespace() refusing names with a leading underscore, as transformers' does (a namespace's
+    attributes are set from the template; a dunder one would reach the interpreter's internals)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.utils import Namespace
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"Chat templates cannot store underscore-prefixed attributes on a namespace, but "
+                                f"got {name!r}. Please rename the attribute.")
+
+    class TemplateNamespace(Namespace):
+        def __init__(*args, **kwargs):  # noqa: N805  jinja's own signature, so that namespace(self=...) works
+            self, args = args[0], args[1:]
+            for name in dict(*args, **kwargs):
+                check(name)
+            Namespace.__init__(self, *args, **kwargs)
+
+        def __setitem__(self, name, value):
+            check(name)
+            Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
 
 
 @lru_cache(maxsize=16)
@@ -361,15 +398,14 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
     if not isinstance(source, str):  # a tokenizer holding several named templates: its default one
         source = tokenizer.get_chat_template()
     given = sum(len(str(m.get("content") or "")) for m in messages)
-    limit = OUTPUT_CHARS + _OUTPUT_COPIES * given
-    budget = _Budget(STEPS, limit)
+    budget = _Budget(STEPS, OUTPUT_CHARS + _OUTPUT_COPIES * given)
     token = _BUDGET.set(budget)
     try:
         parts = []
         for part in _compiled(source).generate(messages=messages, tools=None, documents=None,
                                                 add_generation_prompt=add_generation_prompt,
                                                 **{**tokenizer.special_tokens_map, **variables}):
-            budget.write(len(part), limit)
+            budget.write(len(part))
             parts.append(part)
         return "".join(parts)
     except (TemplateFailure, TemplateError):
