@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.chat_templates import NAMES, TEMPLATES, use_chat_template
+from workbench.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
 from workbench.cli import main
 from workbench.data import tokenize_segments
 from workbench.errors import RecipeError
@@ -217,3 +217,76 @@ def test_a_run_saves_its_template_beside_its_adapter_and_into_its_gguf(tmp_path)
     assert (merged / "chat_template.jinja").read_text() == template.read_text()
     stops = json.loads((merged / "generation_config.json").read_text())["eos_token_id"]
     assert eos in stops and len(stops) == 2  # the turn's end, and the base's own EOS
+
+
+# -- templates that would never finish -------------------------------------------------------------
+
+CHATML_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}")
+
+
+@pytest.mark.parametrize("attack, message", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}", r"ran past [\d,]+ loop"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"ran past [\d,]+ loop"),
+    ("{% for i in range(99999) recursive %}{{ loop(range(99999)) if loop.depth == 1 }}{% endfor %}",
+     r"ran past [\d,]+ loop"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     r"builds a value of more than"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     r"builds a value of more than"),
+    ("{{ 'x' * 999999999 }}", r"repeats a sequence 999,999,999 times"),
+    ("{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}", r"wrote more than"),
+    ("{{ 'x'|center(999999999) }}", r"asks center for a width of more than"),
+    ("{{ 'x'.ljust(999999999) }}", r"asks ljust for a width of more than"),
+    ("{{ 'x'|indent(999999999, true) }}", r"asks indent for a width of more than"),
+    ("{{ '%0999999999d' % 1 }}", r"formats with a width of more than"),
+    ("{{ '%0999999999d'|format(1) }}", r"formats with a width of more than"),
+    ("{{ '{:>999999999}'.format(1) }}", r"formats with a width of more than"),
+    ("{{ range(99999)|join('x' * 99999) }}", r"calls join for a value of more than"),
+    ("{{ ('x' * 9999999).join(['a'] * 9999) }}", r"calls join for a value of more than"),
+    ("{{ ('x' * 99999)|replace('x', 'y' * 99999) }}", r"calls replace for a value of more than"),
+])
+def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack, message):
+    """Jinja's sandbox caps one range(), not two nested ones: the work of a render has a budget of its own."""
+    (tmp_path / "t.jinja").write_text(attack + CHATML_TURNS)
+    with pytest.raises(RecipeError, match=rf"^data.chat_template: .*t.jinja cannot render a user message and a "
+                                          rf"reply: it {message}"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
+
+
+@pytest.mark.parametrize("guarded, message", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+     f"gives up on this row: it ran past {STEPS:,} loop iterations"),
+    ("{{ 1 // 0 }}", "fails on this row: integer division or modulo by zero"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "fails on this row: maximum recursion depth exceeded"),
+])
+def test_a_row_on_which_a_template_fails_is_named_with_its_line(tmp_path, capsys, guarded, message):
+    """The template passes the check of its turn's end and fails on one row only, the one with a system message:
+    that row's file:line and why, in one line, read whole or streamed."""
+    (tmp_path / "t.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}" + guarded + "{% endif %}" + CHATML_TURNS)
+    rows = [{"messages": messages([("user", "hi"), ("assistant", "hello")])},
+            {"messages": messages([("system", "S"), ("user", "hi"), ("assistant", "hello")])}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for streaming in ("false", "true"):
+        assert main(["data", "recipes/tiny.yaml", f"data.chat_template={tmp_path}/t.jinja",
+                     f"data.train={tmp_path}/d.jsonl", "data.eval=null", "data.format=chat",
+                     f"data.streaming={streaming}", "training.max_steps=2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"error: {tmp_path}/d.jsonl:2: the chat template {tmp_path}/t.jinja (data.chat_template) {message}"), err
+
+
+@pytest.mark.parametrize("file", sorted(p.name for p in REFERENCES.glob("*.jinja")) + ["chatml"])
+def test_real_templates_render_long_conversations_within_the_budget_as_transformers_does(tokenizer, file):
+    from workbench.chat_templates import render as budgeted
+
+    template = TEMPLATES[file].source if file in TEMPLATES else reference(file)
+    no_system = "gemma" in file or "mistral" in file  # these refuse a system message
+    turns = [("user", f"Question {i}? " * 30) if i % 2 == 0 else ("assistant", f"Answer {i}. " * 30)
+             for i in range(2000)]
+    conversation = messages(([] if no_system else [("system", S)]) + turns)
+    for generation_prompt in (True, False):
+        expected = render(tokenizer, template, conversation, generation_prompt)  # transformers' own rendering
+        ours = budgeted(tokenizer, conversation, generation_prompt, bos_token="<s>", eos_token="</s>")
+        assert ours == expected and len(ours) > 2000 * 300

@@ -319,3 +319,62 @@ def test_a_nan_value_reads_as_empty_not_as_a_float():
 
     with pytest.raises(DataError, match=r"x\.csv:4: field 'completion' is empty"):
         FORMATS["completion"].check({"prompt": "a", "completion": float("nan")}, "x.csv:4")
+
+
+# -- long rows -----------------------------------------------------------------------------------
+
+LONG_TEXTS = {  # each many times what max_seq_len keeps, of the kinds that tokenize unevenly
+    "prose": "The quick brown fox jumps over the lazy dog; " * 4000,
+    "one word": "abcdefghij" * 20000,
+    "spaces": "x" + " " * 150000 + "y",
+    "equals signs": "=" * 150000,
+    "mixed scripts": "naïve café 東京 Ελλάδα 🙂 " * 6000,
+    "special tokens": "a<|im_end|>b<|im_start|>" * 6000,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LONG_TEXTS))
+@pytest.mark.parametrize("fmt, row_of", [
+    ("completion", lambda text: {"prompt": text, "completion": "the answer"}),
+    ("completion", lambda text: {"prompt": "the question", "completion": text}),
+    ("text", lambda text: {"text": text}),
+    ("chat", lambda text: {"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": text},
+                                        {"role": "user", "content": text}, {"role": "assistant", "content": "b"}]}),
+])
+@pytest.mark.parametrize("train_on", ["completions", "all"])
+def test_a_long_row_keeps_the_tokens_of_the_whole_row(tiny_tokenizer, monkeypatch, kind, fmt, row_of, train_on):
+    """A text is tokenized only as far as truncation keeps it: the sample (ids, masks, truncation) is the one the
+    whole row gives."""
+    import workbench.data as data
+
+    row, section = row_of(LONG_TEXTS[kind]), cfg(format=fmt, train_on=train_on, max_seq_len=300)
+    cut = tokenize_row(row, tiny_tokenizer, section, "x:1")
+    monkeypatch.setattr(data, "CHARS_PER_TOKEN", 1 << 40)  # no cut: every text tokenized whole
+    whole = tokenize_row(row, tiny_tokenizer, section, "x:1")
+    assert cut == whole and cut["truncated"] and len(cut["input_ids"]) == 300
+
+
+def test_a_long_row_costs_memory_bounded_by_max_seq_len_not_by_its_length(tmp_path):
+    """Tokenizing costs ~175 bytes per character: a row of some MB is cut before, not after, so that reading it
+    takes a small multiple of its own size (run alone, so the peak is this row's)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys\n"
+        "from workbench.data import tokenize_row\n"
+        "from workbench.models import load_tokenizer\n"
+        "from workbench.recipe import DataSection, ModelSection\n"
+        "tokenizer = load_tokenizer(ModelSection(path='builtin:tiny'))\n"
+        "section = DataSection(format='completion', max_seq_len=2048)\n"
+        "tokenize_row({'prompt': 'q', 'completion': 'warm up ' * 1000}, tokenizer, section, 'x:1')\n"
+        "text = 'The quick brown fox jumps over the lazy dog; ' * ((4 << 20) // 45)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "out = tokenize_row({'prompt': 'q', 'completion': text}, tokenizer, section, 'x:1')\n"
+        "assert out['truncated'] and len(out['input_ids']) == 2048\n"
+        "print(len(text), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    chars, grown = map(int, done.stdout.split())
+    assert chars > 4_000_000
+    assert grown < 8 * chars, f"reading a row of {chars:,} characters took {grown:,} more bytes of memory"

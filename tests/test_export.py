@@ -211,6 +211,37 @@ def test_chat_loop_keeps_history_resets_and_streams(tiny_path):
     assert "never read" not in out.getvalue()
 
 
+def test_a_chat_template_that_would_not_finish_is_one_line_not_a_hung_server(tiny_path):
+    """The UI's Chat tab renders a run's saved template in the server's process (and off its main thread): the
+    render's budget stops it, in any thread, with a message; the session takes up the next template as before."""
+    import threading
+
+    from workbench.chat import ChatSession
+    from workbench.inference import answer
+
+    model, tokenizer = load_for_inference(tiny_path, device="cpu")
+    own = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+                               + own)
+    failures = []
+
+    def ask():
+        for call in (lambda: answer(model, tokenizer, "hi", max_new_tokens=2),
+                     lambda: ChatSession(model, tokenizer, max_new_tokens=2).reply("hi", io.StringIO())):
+            with pytest.raises(WorkbenchError) as err:
+                call()
+            failures.append(str(err.value))
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and len(failures) == 2, failures
+    assert all(f.startswith("the model's chat template cannot render this conversation: it ran past")
+               and "\n" not in f for f in failures), failures
+    tokenizer.chat_template = own
+    assert answer(model, tokenizer, "hi", max_new_tokens=2).text is not None
+
+
 def test_chat_in_a_terminal_streams_the_tuned_answer(tiny_run):
     import pexpect
 

@@ -267,6 +267,15 @@ def test_a_llama3_style_template_translates_and_others_are_left_to_the_embedded_
     assert modelfile.startswith("FROM ./m.gguf\n") and modelfile.endswith('PARAMETER stop "<|im_end|>"\n')
 
 
+def test_a_template_that_loops_only_on_a_longer_conversation_is_left_untranslated(tiny_tokenizer):
+    """The Go translation renders five-turn probes: a template that passes training's two-turn check and loops on
+    more turns runs past its budget there and is left to the embedded one, not a hung export."""
+    looping = ("{% if messages | length > 2 %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+               "{% endfor %}{% endif %}" + LLAMA3_TEMPLATE)
+    assert ollama_template(with_template(tiny_tokenizer, LLAMA3_TEMPLATE)) is not None
+    assert ollama_template(with_template(tiny_tokenizer, looping)) is None
+
+
 @pytest.mark.parametrize("pre, name", [
     ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
     ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},

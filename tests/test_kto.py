@@ -49,10 +49,28 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_becomes_the_same_example(layout, tiny_tokenizer):
-    expected = tokenize_row(ROW, tiny_tokenizer, cfg(), "x:1")
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "prompt text"])
+def test_every_conversational_layout_becomes_the_same_example(layout, tiny_tokenizer):
+    expected = tokenize_row(LAYOUTS["prompt and completion as messages"], tiny_tokenizer, cfg(), "x:1")
     assert tokenize_row(LAYOUTS[layout], tiny_tokenizer, cfg(), "x:1") == expected
+
+
+def test_a_plain_text_row_is_its_text_and_a_conversation_is_rendered(tiny_tokenizer):
+    """As TRL's KTOTrainer has it (tests/test_objectives.py compares the ids): text rows are the prompt and the
+    answer as written, then the EOS; rows of messages, or a row given data.system_prompt, go through the chat
+    template."""
+    def sample(row, **kw):
+        example = tokenize_row(row, tiny_tokenizer, cfg(**kw), "x:1")
+        return example["input_ids"][:example["position_ids"].index(0, 1)]
+
+    eos = [tiny_tokenizer.eos_token_id]
+    raw = tiny_tokenizer(ROW["prompt"], add_special_tokens=False)["input_ids"] + \
+        tiny_tokenizer(ROW["completion"], add_special_tokens=False)["input_ids"] + eos
+    assert sample(ROW) == raw
+    assert tiny_tokenizer.decode(sample(LAYOUTS["messages for the prompt"])) == tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": ROW["prompt"]}, {"role": "assistant", "content": ROW["completion"]}],
+        tokenize=False)
+    assert "Be brief." in tiny_tokenizer.decode(sample(ROW, system_prompt="Be brief."))
 
 
 def test_a_row_is_its_answer_then_another_rows_answer_never_learned(tiny_tokenizer):

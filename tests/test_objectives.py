@@ -417,6 +417,44 @@ def test_kto_matches_trl(setup, trl_kto, layout, request, monkeypatch):
     grads_close(lora_grads(model), trl_kto.grads, f"{layout}: KTO gradients")
 
 
+def test_plain_text_unpaired_rows_tokenize_as_trl(setup, trl_kto):
+    """Plain-text rows (prompt and completion as text) are tokenized as TRL's KTOTrainer tokenizes them: the prompt
+    and the completion as written and the EOS, no chat template (although this tokenizer has one); the KL sample is
+    the same prompt with the previous row's completion. So the ids test_kto_matches_trl scores are the workbench's
+    own."""
+    from workbench.recipe import DataSection
+
+    section = DataSection(format="unpaired", max_seq_len=1024)
+    assert setup.tokenizer.chat_template, "a tokenizer without a template would not tell the two renderings apart"
+    for i, (row, theirs) in enumerate(zip(KTO_ROWS, trl_kto.examples)):
+        ours = tokenize_row(row, setup.tokenizer, section, f"x:{i + 1}", mismatched=KTO_ROWS[i - 1]["completion"])
+        assert ours["input_ids"] == theirs["input_ids"], setup.tokenizer.decode(ours["input_ids"])
+        assert ours["position_ids"] == theirs["position_ids"]
+        assert ours["labels"] == theirs["labels"]  # the answers scored, the prompts not
+        assert ours["desirable"] == [row["label"]]
+
+
+def test_conversational_unpaired_rows_go_through_the_chat_template(setup):
+    """Rows of messages are a conversation, rendered with the chat template as TRL renders them (the prompt with
+    the generation prompt, then the answer): the same answer tokens, after the template's prompt."""
+    from trl.data_utils import _tokenize
+
+    from workbench.recipe import DataSection
+
+    section = DataSection(format="unpaired", max_seq_len=1024)
+    for i, row in enumerate(KTO_ROWS):
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        completion = [{"role": "assistant", "content": row["completion"]}]
+        ours = tokenize_row({"prompt": prompt, "completion": completion, "label": row["label"]}, setup.tokenizer,
+                            section, f"x:{i + 1}")
+        prompt_ids = _tokenize(setup.tokenizer, prompt, add_generation_prompt=True)["input_ids"]
+        full_ids = _tokenize(setup.tokenizer, prompt + completion)["input_ids"]
+        assert full_ids[:len(prompt_ids)] == prompt_ids
+        first = ours["position_ids"].index(0, 1)  # where the KL sample starts
+        assert ours["input_ids"][:first] == full_ids[:first] and ours["input_ids"][:len(prompt_ids)] == prompt_ids
+        assert set(ours["labels"][:len(prompt_ids)]) == {IGNORE}
+
+
 # -- reward model -------------------------------------------------------------------------------------------------
 
 CENTER = 0.05  # reward_center_coefficient (TRL's center_rewards_coefficient, off by default): its term counts too

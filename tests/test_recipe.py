@@ -37,6 +37,10 @@ def write(tmp_path, text: str) -> Path:
     ("adapter: {target_modules: everything}", "adapter.target_modules: must be one of all-linear, attention, mlp"),
     ("training: {micro_batch_size: many}", "training.micro_batch_size: Input should be a valid integer"),
     ("adapter: {method: lora}\nquantization: {bits: 4}", "quantization: only used with adapter.method: qlora"),
+    # pydantic reads true as 1: a buffer of one row would shuffle nothing
+    ("data: {streaming: true, shuffle_buffer: true}", "data.shuffle_buffer: must be a number, not true"),
+    ("data: {limit: true}", "data.limit: must be a number, not true"),
+    ("training: {lr: false}", "training.lr: must be a number, not false"),
 ])
 def test_bad_recipes_name_the_field(tmp_path, text, expected):
     path = write(tmp_path, text)

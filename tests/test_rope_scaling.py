@@ -12,7 +12,7 @@ from workbench.cli import main
 from workbench.errors import RecipeError
 from workbench.models import load_base_model, load_config, resolve_model_path
 from workbench.preflight import check_context_length
-from workbench.recipe import Recipe
+from workbench.recipe import LONGEST_TRAINED_CONTEXT, Recipe
 
 FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
 
@@ -70,6 +70,9 @@ def test_a_model_that_already_scales_its_positions_is_refused(tmp_path):
     ("{type: ntk, factor: 2}", "model.rope_scaling.type"),
     ("{factor: 2}", "model.rope_scaling.type"),
     ("{type: yarn, factor: 2, original_max_position_embeddings: -5}", "original_max_position_embeddings"),
+    ("{type: yarn, factor: 2, original_max_position_embeddings: 1000000000000000000}",
+     f"model.rope_scaling.original_max_position_embeddings: Input should be less than or equal to "
+     f"{LONGEST_TRAINED_CONTEXT}"),
 ])
 def test_bad_rope_scaling_is_one_line_naming_the_field(tmp_path, capsys, value, message):
     assert main(["train", "recipes/tiny.yaml", f"model.rope_scaling={value}", f"output.dir={tmp_path}/run"]) == 2

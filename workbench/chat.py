@@ -18,7 +18,7 @@ import torch
 from transformers import TextStreamer
 
 from .errors import RecipeError, WorkbenchError
-from .inference import load_for_inference, stop_token_ids
+from .inference import load_for_inference, prompt_ids, stop_token_ids
 
 PROMPT = "you> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer"
@@ -68,8 +68,7 @@ class ChatSession:
         if self.system:
             messages = [{"role": "system", "content": self.system}, *messages]
         if self.tokenizer.chat_template:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
+            return prompt_ids(self.tokenizer, messages)
         # A model without a chat template continues plain text: one line per turn.
         text = "".join(m["content"] + "\n" for m in messages)
         return self.tokenizer(text)["input_ids"]

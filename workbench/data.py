@@ -26,13 +26,14 @@ from typing import Any, Callable
 import torch
 
 from .builtin import cache_dir
+from .chat_templates import TemplateBudgetError, TemplateFailure
 from .errors import DataError
 from . import formats
 from .formats import format_of
 from .recipe import DataSection
 
 IGNORE = -100
-PIPELINE_VERSION = "2"  # bump when tokenization output changes, to invalidate caches
+PIPELINE_VERSION = "3"  # bump when tokenization output changes, to invalidate caches
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -344,12 +345,35 @@ def check_row(row: dict, fmt: str, where: str) -> None:
     format_of(fmt).check(row, where)
 
 
+# Tokenizing takes ~175 bytes of memory per character of text: a 50 MB line would take 9 GB only to be cut to
+# data.max_seq_len tokens. So a text is tokenized only as far as truncation keeps it: cut after enough characters
+# for the tokens still wanted and a margin, the first guess doubled until the cut text gives that many. A cut
+# changes only the last few tokens before it, which the margin holds: the tokens kept are the whole text's own.
+CUT_MARGIN = 64  # tokens tokenized past those kept
+CHARS_PER_TOKEN = 8  # the first guess (text holds 3 to 5 characters per token; a longer token is found by doubling)
+
+
+def leading_ids(tokenizer, text: str, wanted: int) -> list[int]:
+    """The token ids of `text`, or its first `wanted` (or more) where it holds more: what truncation keeps of it,
+    found with memory bounded by `wanted` rather than by the text's length."""
+    chars = (wanted + CUT_MARGIN) * CHARS_PER_TOKEN
+    while chars < len(text):
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) >= wanted + CUT_MARGIN:
+            return ids[:wanted]
+        chars *= 2
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     """One sample: token ids, labels (IGNORE where no loss is taken), truncated to data.max_seq_len."""
     input_ids: list[int] = []
     labels: list[int] = []
     for text, is_answer in segments:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        wanted = cfg.max_seq_len + 1 - len(input_ids)  # one past the limit tells that truncation cut the sample
+        if wanted <= 0:
+            break  # truncation drops the rest whole
+        ids = leading_ids(tokenizer, text, wanted)
         if is_answer and tokenizer.eos_token_id not in ids:
             ids = ids + [tokenizer.eos_token_id]  # the model must learn to stop
         input_ids += ids
@@ -391,7 +415,7 @@ def _tokenize_unpaired(row: dict, tokenizer, cfg: DataSection, where: str, share
 
     def sample(answer_text: str) -> dict:
         def render(*_):
-            return formats.answer_segments(unpaired.prompt, answer_text, tokenizer, where)
+            return formats.unpaired_segments(unpaired, answer_text, tokenizer, where)
         return tokenize_segments(_rendered(render, row, tokenizer, cfg, where), tokenizer, cfg)
 
     answer = sample(unpaired.completion)
@@ -449,7 +473,17 @@ def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
     try:
         return render(row, tokenizer, cfg.system_prompt, where)
     except TemplateError as err:
-        raise DataError(f"{where}: the tokenizer's chat template refuses this row: {first_line(err)}") from None
+        raise DataError(f"{where}: {template_name(cfg)} refuses this row: {first_line(err)}") from None
+    except TemplateBudgetError as err:
+        raise DataError(f"{where}: {template_name(cfg)} gives up on this row: {err}") from None
+    except TemplateFailure as err:
+        raise DataError(f"{where}: {template_name(cfg)} fails on this row: {err}") from None
+
+
+def template_name(cfg: DataSection) -> str:
+    """How messages name the template that renders rows: the recipe's file or registered name, or the model's."""
+    return (f"the chat template {cfg.chat_template} (data.chat_template)" if cfg.chat_template
+            else "the tokenizer's chat template")
 
 
 # -- the prepared data set --------------------------------------------------------------------

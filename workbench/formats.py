@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import chat_templates
 from .errors import DataError, ModelError
 
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that completes the request.\n\n"
@@ -78,7 +79,7 @@ def chat_segments(tokenizer, messages: list[dict]) -> Segments:
     """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes."""
 
     def render(msgs, generation_prompt=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return chat_templates.render(tokenizer, msgs, add_generation_prompt=generation_prompt)
 
     segments, previous = [], ""
     for i, message in enumerate(messages):
@@ -316,6 +317,16 @@ class Unpaired:
     prompt: list[dict]
     completion: str
     desirable: bool
+    plain: bool = False  # prompt and completion given as text, not messages: tokenized as written (unpaired_segments)
+
+
+def unpaired_segments(unpaired: Unpaired, answer: str, tokenizer, where: str) -> Segments:
+    """One answer to an unpaired row's prompt, as TRL's KTOTrainer tokenizes it: a plain-text row is its prompt and
+    the answer as written, the EOS after it (as the completion format has them); a conversation goes through the
+    chat template."""
+    if unpaired.plain:
+        return [(unpaired.prompt[-1]["content"], False), (answer, True)]
+    return answer_segments(unpaired.prompt, answer, tokenizer, where)
 
 
 def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpaired:
@@ -329,6 +340,8 @@ def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpa
     if not isinstance(label, bool):
         raise DataError(f"{where}: field 'label' must be true or false, got {label!r}")
     completion = row.get("completion")
+    # TRL's rule: text rows are text, rows of messages a conversation; a system prompt makes a row a conversation
+    plain = isinstance(completion, str) and isinstance(row.get("prompt"), str) and not system_prompt
     if isinstance(completion, list):
         turns = messages_field(completion, where, "completion")
         if len(turns) != 1 or turns[0]["role"] != "assistant":
@@ -342,7 +355,7 @@ def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpa
         article = "an" if last["role"] == "assistant" else "a"
         raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
                         "user's turn")
-    return Unpaired(with_system(prompt, system_prompt), completion, label)
+    return Unpaired(with_system(prompt, system_prompt), completion, label, plain)
 
 
 def last_user(messages: list[dict]) -> str | None:

@@ -591,7 +591,7 @@ def ollama_template(tokenizer) -> str | None:
         return None
     try:
         parts = _template_parts(tokenizer)
-    except Exception:  # a template that refuses a probe (roles it does not know, a raise_exception)
+    except Exception:  # a template that refuses a probe (unknown roles, a raise_exception) or runs past its budget
         return None
     if parts is None or any(s in text for text in parts.values() for s in ("{{", "}}", '"""')):
         return None
@@ -604,9 +604,11 @@ def ollama_template(tokenizer) -> str | None:
 
 
 def _template_parts(tokenizer) -> dict | None:
+    from .chat_templates import render as render_template
+
     def render(*turns, prompt=False):
         messages = [{"role": role, "content": content} for role, content in turns]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        text = render_template(tokenizer, messages, add_generation_prompt=prompt)  # within the budget: it is code
         return text.removeprefix(tokenizer.bos_token) if adds_bos else text  # the runtime adds BOS itself
 
     adds_bos = adds_special(tokenizer, "bos")

@@ -224,14 +224,25 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat:
     return answer(model, tokenizer, prompt, max_new_tokens, chat).text
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation rendered with the tokenizer's chat template for the model to answer; a template that runs
+    past its budget or fails (a run's template is a file anyone may have written) is one line, not a hung server
+    or a traceback."""
+    from .chat_templates import TemplateFailure, render_ids
+
+    try:
+        return render_ids(tokenizer, messages, add_generation_prompt=True)
+    except TemplateFailure as err:
+        raise WorkbenchError(f"the model's chat template cannot render this conversation: {err}") from None
+
+
 @torch.no_grad()
 def answer(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool | None = None) -> Answer:
     """generate_text's answer, and whether the model ended it itself (a tuned model that never stops
     has not learned its chat template's end of turn)."""
     chat = bool(tokenizer.chat_template) if chat is None else chat
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": prompt}])])
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     device = next(model.parameters()).device

@@ -30,6 +30,9 @@ _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 80, 80, 2, 4, 4
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 # The mark of a field that names a file or folder of the user's (json_schema_extra). A launcher whose workers run
 # elsewhere (cluster/ray.py) makes every marked field absolute through `with_paths_changed`, so a path field added
 # without it is caught by tests/cluster/test_ray.py, not by a user's job failing on every worker.
@@ -42,13 +45,28 @@ def path_mark(kind: Literal["existing", "output"] = "existing", names: tuple[str
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr: .inf
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_for_a_number(cls, value, info):
+        """pydantic reads true as 1 and false as 0 (`shuffle_buffer: true` would mean a buffer of one row, no
+        shuffling): a number field takes a number."""
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
+
+
+# Positions a model may say it was trained for: 16 M, above every published model's (1 M at most); a larger
+# number is a typo, which times the factor would become a context no check could refuse.
+LONGEST_TRAINED_CONTEXT = 1 << 24
+
 
 class RopeScalingSection(Section):
     type: Literal["linear", "dynamic", "yarn", "llama3"] = Field(
         ..., description="how positions stretch (see workbench/rope_scaling.py).")
     factor: float = Field(..., gt=1, le=64, description="the new context is the original times this.")
     original_max_position_embeddings: int | None = Field(
-        None, gt=0, strict=True, description="the context the model was trained for (default: its config's).")
+        None, gt=0, le=LONGEST_TRAINED_CONTEXT, strict=True,
+        description="the context the model was trained for (default: its config's).")
 
 
 class ModelSection(Section):
