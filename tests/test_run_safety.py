@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from workbench import load_run, train
-from workbench.errors import DataError, RecipeError, WorkbenchError
+from workbench.errors import DataError, RecipeError, WorkbenchError, WriteError
 from workbench.inference import load_for_inference
 from workbench.runs import RunDir, in_use, write_json_atomic
 
@@ -183,7 +183,7 @@ def test_an_adapter_is_written_whole_or_not_at_all(tiny_recipe, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(PeftModel, "save_pretrained", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match="adapter: cannot write .No space left on device"):
         train(tiny_recipe.override("training.max_steps=1"), progress_bar=False)
     assert not (tiny_recipe.run_dir / "adapter").exists()  # no adapter/ holding only a README
     with pytest.raises(WorkbenchError, match="has no adapter"):
