@@ -30,26 +30,8 @@ AUTO = "auto"
 # autocast mode -> the dtype of weights that go with it
 DTYPE_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
 MODE_OF = {dtype: mode for mode, dtype in DTYPE_OF.items()}
-# What users type for each value (YAML reads `no` as false): mapped onto the schema's spelling.
-MIXED_PRECISION_SPELLINGS = {
-    "auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "no": "no", "none": "no", "false": "no", "off": "no", "fp32": "no", "float32": "no", "full": "no",
-}
-DTYPE_SPELLINGS = {
-    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-    "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32", "full": "float32",
-}
 # On a CPU, bf16 must beat fp32 by this factor to be chosen (a probe on a busy machine reads noisy).
 CPU_BF16_MIN_SPEEDUP = 1.2
-
-
-def spelled(value, spellings: dict[str, str]):
-    """A user's spelling of a precision (`no`, False, `fp32`, `BF16`) in the schema's words; others unchanged."""
-    if value is False or value is None:
-        value = "false" if value is False else value
-    if isinstance(value, str) and value.strip().lower() in spellings:
-        return spellings[value.strip().lower()]
-    return value
 
 
 @dataclass(frozen=True)

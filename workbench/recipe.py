@@ -22,7 +22,27 @@ from .adapter_init import INITS, LOFTQ_REFUSED
 from .chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
 from .errors import RecipeError, WorkbenchError
 from .formats import FORMAT_NAMES, FORMATS
-from .precision import DTYPE_SPELLINGS, MIXED_PRECISION_SPELLINGS, spelled
+from .units import parse_bytes
+
+# What users type for each value (YAML reads `no` as false): mapped onto the schema's spelling.
+MIXED_PRECISION_SPELLINGS = {
+    "auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "no": "no", "none": "no", "false": "no", "off": "no", "fp32": "no", "float32": "no", "full": "no",
+}
+DTYPE_SPELLINGS = {
+    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+    "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32", "full": "float32",
+}
+
+
+def spelled(value, spellings: dict[str, str]):
+    """A user's spelling of a precision (`no`, False, `fp32`, `BF16`) in the schema's words; others unchanged."""
+    if value is False or value is None:
+        value = "false" if value is False else value
+    if isinstance(value, str) and value.strip().lower() in spellings:
+        return spellings[value.strip().lower()]
+    return value
+
 
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
 _FROM_DICT = contextvars.ContextVar("recipe_from_dict", default=False)
@@ -352,7 +372,6 @@ class DistributedSection(Section):
     def _readable_memory(cls, value):
         if value is None:
             return None
-        from .hardware.catalogue import parse_bytes
 
         try:
             size = parse_bytes(value)

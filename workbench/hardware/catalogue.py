@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 
 from ..errors import WorkbenchError
+from ..units import GiB, parse_bytes
 from ..precision import cpu_half
 from .probes import matmul_peak, once
 
-GiB = 2**30
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
 GPU_PEAK_FLOPS = {
     "H200": 989e12,
@@ -81,23 +81,6 @@ PRESETS: dict[str, Device] = {d.name: d for d in (
     _gpu("v100-32gb", 32, "V100", bf16=False),
 )}
 ALIASES = {"a100": "a100-80gb", "v100": "v100-16gb", "4090": "rtx4090", "3090": "rtx3090", "h100-80gb": "h100"}
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from 25769803776, "24GiB", "80GB", "16 GiB" or "1.5 TiB" (GB = 10^9, GiB = 2^30)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise WorkbenchError(f"device memory must be positive, got {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise WorkbenchError(f"device memory: cannot read {value!r} (use bytes or e.g. 24GiB, 80GB)")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def cpu_memory() -> int:
     try:
         import psutil
