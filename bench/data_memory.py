@@ -8,8 +8,8 @@
 
 Each size is a generated JSONL file of alpaca rows (seeded, short instructions and answers), read in a process
 of its own with a fresh cache. Map-style (the default), the file is prepared as training prepares it
-(`workbench.data.prepare_data`: read, check, tokenize into the cache, pack). With --streaming it is read as a
-streamed run reads it (`workbench.streaming.StreamedExamples`: shuffled in a buffer, tokenized and packed as the
+(`workbench.data.pipeline.prepare_data`: read, check, tokenize into the cache, pack). With --streaming it is read as a
+streamed run reads it (`workbench.data.streaming.StreamedExamples`: shuffled in a buffer, tokenized and packed as the
 rows are asked for), all of it or its first --stream-rows rows; "first row s" is how long the first packed row
 took, what a streamed run waits before its first step. Reported per size: the wall time, the peak of the process's
 anonymous memory (RssAnon: what the process itself holds, sampled every 20 ms) and of its whole resident set (RSS:
@@ -47,9 +47,9 @@ def rss_kb():
             return int(line.split()[1])
 
 from workbench import Recipe
-from workbench.data import prepare_data
-from workbench.models import load_tokenizer
-from workbench.streaming import StreamedExamples
+from workbench.data.pipeline import prepare_data
+from workbench.model.loading import load_tokenizer
+from workbench.data.streaming import StreamedExamples
 
 streamed, stream_rows = sys.argv[3] == "stream", int(sys.argv[4])
 recipe = Recipe.load(sys.argv[1], [f"data.train={sys.argv[2]}", "data.format=alpaca", "data.eval=null",

@@ -66,7 +66,7 @@ def train_overrides(model_path: str, seq: int, batch: int, steps: int, data: tup
 def environment() -> dict:
     import torch
 
-    from workbench.attention import flash_attn_installed, flex_attention_available
+    from workbench.model.attention import flash_attn_installed, flex_attention_available
 
     gpu = torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if gpu else f"CPU ({platform.processor() or platform.machine()})",
@@ -75,10 +75,10 @@ def environment() -> dict:
 
 
 def why_not(overrides: list[str], device_kind: str) -> str | None:
-    """The workbench's own refusal of a kernel this machine cannot train with (workbench/attention.py)."""
+    """The workbench's own refusal of a kernel this machine cannot train with (workbench/model/attention.py)."""
     from workbench import Recipe
-    from workbench.attention import resolve
-    from workbench.errors import RecipeError
+    from workbench.model.attention import resolve
+    from workbench.base.errors import RecipeError
 
     try:
         resolve(Recipe().override(*[o for o in overrides if o.startswith(("model.", "data.", "training."))]),
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from peers_data import write_data
 
     if args.dry_run:
-        from workbench.builtin import resolve_builtin
+        from workbench.base.builtin import resolve_builtin
 
         args.model_path, model, (short, long) = str(resolve_builtin("builtin:tiny")), "builtin:tiny", (64, 128)
         data = write_data(out / "data", 48, 4)

@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def path() -> Path:
-    from workbench.builtin import built_once
+    from workbench.base.builtin import built_once
 
     return built_once(VERSION, _build)
 
@@ -35,7 +35,7 @@ def shapes_only(folder: Path) -> Path:
 def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     tiny = resolve_builtin("builtin:tiny")
     for name in TOKENIZER_FILES:

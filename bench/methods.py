@@ -30,7 +30,7 @@ CONFIGS = {
     "lora+adamw_8bit": ["training.optimizer=adamw_8bit"],
     "rslora": ["adapter.rslora=true"],
     "dora": ["adapter.method=dora"],
-    # how the adapter starts (workbench/adapter_init.py) and LoRA+: same recipe, same steps
+    # how the adapter starts (workbench/spec/adapter_init.py) and LoRA+: same recipe, same steps
     "init-gaussian": ["adapter.init=gaussian"],
     "init-pissa": ["adapter.init=pissa"],
     "init-olora": ["adapter.init=olora"],

@@ -124,7 +124,7 @@ def resolve_model(name: str) -> str:
 
         return str(llama3_1b.path())
     if name.startswith("builtin:"):
-        from workbench.builtin import resolve_builtin
+        from workbench.base.builtin import resolve_builtin
 
         return str(resolve_builtin(name))
     from peers_data import model_folder
@@ -176,7 +176,7 @@ def job_precision(threads: int, precision: str = "auto") -> dict:
     import torch
     from workbench import Recipe
     from workbench.hardware.current import local_kind
-    from workbench.precision import resolve
+    from workbench.hardware.precision import resolve
 
     torch.set_num_threads(threads)
     asked = {"auto": [], "fp32": ["model.dtype=float32", "training.mixed_precision=no"],
@@ -550,7 +550,7 @@ def run_shapes(args, tools: list[str], parser) -> None:
 
 
 def _native_bf16() -> bool:
-    from workbench.precision import cpu_half
+    from workbench.hardware.precision import cpu_half
 
     return cpu_half().half is not None
 
@@ -611,7 +611,7 @@ def reprint(path: Path) -> None:
 
 
 def child(spec_path: Path) -> None:
-    from workbench.quiet import quiet_libraries
+    from workbench.base.quiet import quiet_libraries
 
     quiet_libraries()
     from peers_tools import run_tool

@@ -271,13 +271,13 @@ MODEL_VERSION = "v1"
 
 def model_folder(size: str) -> Path:
     """A transformers folder built the way `builtin:tiny` is (byte-level BPE, random Llama), only larger."""
-    from workbench.builtin import built_once
+    from workbench.base.builtin import built_once
 
     return built_once(f"bench-{size}-{MODEL_VERSION}", lambda staging: build_model(staging, *MODEL_SIZES[size]))
 
 
 def tokenizer_corpus() -> list[str]:
-    from workbench.builtin import _tiny_corpus
+    from workbench.base.builtin import _tiny_corpus
 
     rows = make_rows(4000, seed=0)  # its own seed: the benchmark's train and eval rows are not in it
     return _tiny_corpus() + [m["content"] for row in rows for m in row["messages"]]
@@ -288,7 +288,7 @@ def build_model(folder: Path, hidden: int, intermediate: int, layers: int, heads
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from workbench.builtin import CHATML_TEMPLATE
+    from workbench.base.builtin import CHATML_TEMPLATE
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
     tok = Tokenizer(models.BPE())

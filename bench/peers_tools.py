@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workbench.data import IGNORE
-from workbench.metrics import peak_rss_bytes
+from workbench.data.pipeline import IGNORE
+from workbench.base.metrics import peak_rss_bytes
 
 # What each tool is given beyond the job itself, printed with the results.
 SETTINGS = {
@@ -93,7 +93,7 @@ def load_tokenizer(spec: dict):
 
 def model_flops(model, lengths: list[int]) -> float:
     """Model FLOPs of one epoch over samples of these lengths, counted the way the workbench counts them."""
-    from workbench.metrics import FlopCounter
+    from workbench.base.metrics import FlopCounter
 
     counter = FlopCounter(model, model.config)
     attended = sum(n * (n + 1) // 2 for n in lengths)
@@ -102,8 +102,8 @@ def model_flops(model, lengths: list[int]) -> float:
 
 def reference_samples(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
     """Rows tokenized one way for every tool (the workbench's: chat template, loss on the answers)."""
-    from workbench.data import tokenize_row
-    from workbench.recipe import DataSection
+    from workbench.data.pipeline import tokenize_row
+    from workbench.spec.recipe import DataSection
 
     cfg = DataSection(train="unused", format="chat", max_seq_len=spec["max_seq_len"], train_on="completions")
     return [tokenize_row(row, tokenizer, cfg, f"row {i}") for i, row in enumerate(rows)]
@@ -355,8 +355,8 @@ def reference_pairs(spec: dict, rows: list[dict], tokenizer, share_prompts: bool
     """Pairs tokenized one way for every tool (the workbench's: chat template, loss on the answers, each sequence
     truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second
     (share_prompts: the rejected answer continuing the prompt, as the workbench trains on a CPU)."""
-    from workbench.data import tokenize_row
-    from workbench.recipe import DataSection
+    from workbench.data.pipeline import tokenize_row
+    from workbench.spec.recipe import DataSection
 
     cfg = DataSection(train="unused", format="preference", max_seq_len=spec["max_seq_len"], train_on="completions")
     return [tokenize_row(row, tokenizer, cfg, f"row {i}", share_prompts) for i, row in enumerate(rows)]
@@ -418,7 +418,7 @@ def finish_dpo(spec: dict, tool: str, clock: dict, loop_s: float, tokens: int, s
     """What both tools report for the DPO job, the held-out figures computed the same way for both. FLOPs (for
     MFU): over the two whole sequences of each pair, or `computed` (tokens, attended positions) where a tool
     computes fewer (the workbench's shared prompts)."""
-    from workbench.metrics import FlopCounter
+    from workbench.base.metrics import FlopCounter
 
     tokenizer = load_tokenizer(spec)
     held_out = [p for p in reference_pairs(spec, read_rows(spec["eval"]), tokenizer) if p["targets"]]  # scorable

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model, seq, steps = str(llama3_1b.path()), 2048, args.steps or 8
         else:
-            from workbench.builtin import resolve_builtin
+            from workbench.base.builtin import resolve_builtin
 
             model, seq, steps = str(resolve_builtin("builtin:tiny")), 128, args.steps or 4
         data = write_data(out.parent / "profile_data", 400, 4)

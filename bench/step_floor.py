@@ -54,10 +54,10 @@ def measure(job: str, precision: str, micro_batches: int, repeats: int, workdir:
 
     import peers
     from peers_tools import workbench_recipe
-    from workbench.data import Collator, prepare_data
-    from workbench.fastpath import SparseDropout, apply_fast_paths
-    from workbench.lm_loss import lm_loss_sum
-    from workbench.models import attach_adapter, load_base_model, load_tokenizer
+    from workbench.data.pipeline import Collator, prepare_data
+    from workbench.model.fastpath import SparseDropout, apply_fast_paths
+    from workbench.model.lm_loss import lm_loss_sum
+    from workbench.model.loading import attach_adapter, load_base_model, load_tokenizer
     from workbench.training.parts import build_optimizer
 
     which = ["--quick"] if job == "quick" else ["--job", job]

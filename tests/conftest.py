@@ -27,7 +27,7 @@ def tiny_recipe(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     return resolve_builtin("builtin:tiny")
 
@@ -55,7 +55,7 @@ def tiny_bf16_path(tiny_path, tmp_path_factory):
     return folder
 
 
-# Precision decisions of the two CPU kinds this suite runs on (workbench/precision.py decides by measured matmul
+# Precision decisions of the two CPU kinds this suite runs on (workbench/hardware/precision.py decides by measured matmul
 # rates, which PROBE_ENV injects): tests marked `both_precisions` run under each, on whatever CPU runs them, so a
 # CPU of one kind catches what the other would see.
 PRECISION_DECISIONS = {

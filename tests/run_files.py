@@ -47,7 +47,7 @@ def resumed_from_its_checkpoint(done, recipe, last_step: int):
     import shutil
 
     from workbench import train
-    from workbench.runs import RunDir
+    from workbench.rundir.runs import RunDir
 
     whole = adapter(done.run_dir)
     run = RunDir(done.run_dir)

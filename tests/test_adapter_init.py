@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from workbench import train
-from workbench.adapter_init import InitialAdapter, converted_config
-from workbench.cli import main
-from workbench.errors import RecipeError, WorkbenchError
-from workbench.model_configs import target_modules
-from workbench.models import attach_adapter, load_base_model
-from workbench.recipe import Recipe
-from workbench.runs import RunDir
+from workbench.spec.adapter_init import InitialAdapter, converted_config
+from workbench.frontends.cli import main
+from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.spec.model_configs import target_modules
+from workbench.model.loading import attach_adapter, load_base_model
+from workbench.spec.recipe import Recipe
+from workbench.rundir.runs import RunDir
 
 FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
 
@@ -77,7 +77,7 @@ def test_a_converted_adapter_gives_the_trained_model_on_the_published_base(tmp_p
 
 @pytest.mark.slow
 def test_a_pissa_run_with_lora_plus_resumes_exactly_and_its_adapter_scores_what_training_measured(tmp_path):
-    from workbench.evaluation import evaluate
+    from workbench.outputs.evaluation import evaluate
 
     steps = ["adapter.init=pissa", "adapter.lora_plus_ratio=4", "training.max_steps=6", "output.save_every=3",
              "output.log_every=1", "output.eval_every=null", "adapter.dropout=0"]
@@ -223,7 +223,7 @@ def test_bad_init_settings_are_one_line_naming_the_field(tmp_path, capsys, overr
 
 
 def test_the_estimator_counts_a_decomposing_inits_start_up():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     plain, pissa = estimate(tiny()), estimate(tiny("adapter.init=pissa"))
     assert plain.terms["init_flops"] == 0 and pissa.terms["init_flops"] > 0
@@ -233,7 +233,7 @@ def test_the_estimator_counts_a_decomposing_inits_start_up():
 
 
 def test_the_estimator_says_what_evas_start_up_reads():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     eva = estimate(tiny("adapter.init=eva"))
     assert eva.terms["init_transient"] > 0 and eva.terms["initial_adapter"] == 0  # the base is untouched: no A0/B0
@@ -254,7 +254,7 @@ def test_dpo_after_an_init_that_rewrites_the_base_is_refused(tmp_path, capsys):
 
 
 def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     est = estimate(tiny("adapter.init=olora"), world_size=2)
     refused = {s["name"]: s["refused"] for s in est.strategies if s["refused"]}
@@ -266,8 +266,8 @@ def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
 
 
 def eva_inputs(recipe):
-    from workbench.data import Collator, FirstEpochBatches, prepare_data
-    from workbench.models import load_tokenizer
+    from workbench.data.pipeline import Collator, FirstEpochBatches, prepare_data
+    from workbench.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.training.seed)
@@ -280,7 +280,7 @@ def test_eva_is_pefts_own_on_the_runs_first_batches():
     attention mask changes nothing there), and B = 0: the adapter starts as a no-op."""
     from peft import EvaConfig, LoraConfig, get_peft_model, initialize_lora_eva_weights
 
-    from workbench.adapter_init import EVA_RHO, initialize_eva
+    from workbench.spec.adapter_init import EVA_RHO, initialize_eva
 
     recipe = tiny("adapter.init=eva", "data.packing=false", "data.limit=48")
     batches = eva_inputs(recipe)
@@ -342,9 +342,9 @@ def test_corda_is_pefts_own_on_the_runs_first_rows():
     from peft.tuners.lora.config import CordaConfig
     from peft.tuners.lora.corda import preprocess_corda
 
-    from workbench.adapter_init import CORDA_ROWS, _samples_of
-    from workbench.data import first_rows, prepare_data
-    from workbench.models import load_tokenizer
+    from workbench.spec.adapter_init import CORDA_ROWS, _samples_of
+    from workbench.data.pipeline import first_rows, prepare_data
+    from workbench.model.loading import load_tokenizer
 
     recipe = tiny("adapter.init=corda", "data.limit=64")
     data = prepare_data(recipe.data, load_tokenizer(recipe.model), seed=recipe.training.seed)
@@ -377,7 +377,7 @@ def test_a_corda_run_is_saved_for_the_published_base():
     loss the run measured at its end."""
     import tempfile
 
-    from workbench.evaluation import evaluate
+    from workbench.outputs.evaluation import evaluate
 
     with tempfile.TemporaryDirectory() as out:
         done = train(tiny("adapter.init=corda", "data.limit=64", "training.max_steps=4", "output.eval_every=null",
@@ -389,8 +389,8 @@ def test_a_corda_run_is_saved_for_the_published_base():
 def test_eva_that_cannot_converge_is_one_line_not_an_endless_start(tmp_path, capsys):
     """Micro-batches shorter than EVA's components (2r) are skipped by peft, which cycles the data until every layer
     converges: refused up front, and peft's loop bounded besides."""
-    from workbench.adapter_init import EVA_MIN_FORWARDS, EVA_PASSES, initialize_eva
-    from workbench.errors import WorkbenchError
+    from workbench.spec.adapter_init import EVA_MIN_FORWARDS, EVA_PASSES, initialize_eva
+    from workbench.base.errors import WorkbenchError
 
     short = ["adapter.init=eva", "adapter.r=48", "training.micro_batch_size=1", "data.packing=false", "data.limit=16"]
     assert main(["train", "recipes/tiny.yaml", *short, f"output.dir={tmp_path}/run", "--no-progress"]) == 2
@@ -410,7 +410,7 @@ def test_eva_that_cannot_converge_is_one_line_not_an_endless_start(tmp_path, cap
 
 
 def test_corda_reads_a_packed_row_one_sample_at_a_time():
-    from workbench.adapter_init import _samples_of
+    from workbench.spec.adapter_init import _samples_of
 
     row = {"input_ids": [5, 6, 7, 8, 9, 10], "position_ids": [0, 1, 2, 0, 1, 2]}
     assert list(_samples_of(row)) == [([5, 6, 7], [0, 1, 2]), ([8, 9, 10], [0, 1, 2])]

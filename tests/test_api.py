@@ -8,7 +8,7 @@ import pytest
 from matplotlib.figure import Figure
 
 import workbench as wb
-from workbench.runs import COMPARE_COLUMNS
+from workbench.rundir.runs import COMPARE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = {"DataError", "Estimate", "ModelError", "Recipe", "RecipeError", "Run", "TrainResult", "WorkbenchError",
@@ -188,7 +188,7 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
         import json, logging, os, sys, warnings
         import datasets, torch, transformers
         import workbench as wb
-        import workbench.quiet
+        import workbench.base.quiet
 
         def state():
             return {"filters": [repr(f) for f in warnings.filters], "env": dict(os.environ),
@@ -196,7 +196,7 @@ def test_api_calls_leave_the_process_as_they_found_it(tmp_path):
                     "transformers": [transformers.utils.logging.get_verbosity(),
                                      transformers.utils.logging.is_progress_bar_enabled()],
                     "datasets": [datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()],
-                    "loggers": [len(logging.getLogger(n).filters) for n in workbench.quiet._QUIETED_LOGGERS]}
+                    "loggers": [len(logging.getLogger(n).filters) for n in workbench.base.quiet._QUIETED_LOGGERS]}
 
         def both(call):
             import threading
@@ -249,7 +249,7 @@ def test_library_notes_are_dropped_at_their_source_and_nothing_else():
 
     code = """if True:
         import logging, warnings
-        from workbench.quiet import _harmless_logs_dropped
+        from workbench.base.quiet import _harmless_logs_dropped
         kernels = logging.getLogger("kernels._internals.hf_hub")
         with _harmless_logs_dropped():
             import bitsandbytes  # on a CPU with AVX-512 BF16 this logs both notes below when `kernels` is there

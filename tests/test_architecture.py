@@ -1,6 +1,7 @@
-"""The package's shape: no import cycle among workbench's modules, counting the imports inside functions too (a new
-one fails here, with the circle it closes). Imports inside functions load heavy libraries late; one that closes a
-circle would only hide that a function lives in the wrong module."""
+"""The package's shape: floors, each importing only from the floors below it, and no import cycle among workbench's
+modules, counting the imports inside functions too (a new one fails here, with the import that breaks the rule).
+Imports inside functions load heavy libraries late; one that climbs a floor or closes a circle would only hide
+that a function lives in the wrong module."""
 
 import ast
 
@@ -68,7 +69,7 @@ def test_no_import_cycle_even_through_imports_inside_functions():
     modules = module_names()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert len(graph) > 30 and any(graph.values())  # the walk sees the package
-    assert "workbench.lm_loss" in graph["workbench.memory"]  # ... and the imports inside functions
+    assert "workbench.model.lm_loss" in graph["workbench.estimator.memory"]  # ... and the imports inside functions
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -76,3 +77,37 @@ def test_no_import_cycle_even_through_imports_inside_functions():
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# From the ground up (docs/architecture.md draws them). A module imports from its own floor and the floors below.
+FLOORS = ("base", "spec", "hardware", "rundir", "data", "model", "estimator", "distributed", "training", "outputs",
+          "frontends")
+# The package's own doors, above every floor: the lazy public API and `python -m workbench`.
+DOORS = {"workbench", "workbench.__main__"}
+
+
+def floor_of(name: str) -> int:
+    return len(FLOORS) if name in DOORS else FLOORS.index(name.split(".")[1])
+
+
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if floor_of(target) > floor_of(name))
+
+
+def test_every_module_sits_on_a_floor():
+    loose = [name for name in module_names() if name not in DOORS and name.split(".")[1] not in FLOORS]
+    assert not loose, f"modules outside the floors (move each into one of {FLOORS}): {loose}"
+    assert {name.split(".")[1] for name in module_names() if name not in DOORS} == set(FLOORS)  # no empty floor
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    modules = module_names()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert "workbench.spec.recipe" in graph["workbench.data.pipeline"]  # the walk sees imports across floors
+    assert climbs(graph) == []
+
+
+def test_the_floor_check_finds_a_climb():
+    graph = {"workbench.spec.recipe": {"workbench.training.session"}, "workbench.training.session": {"workbench.spec.recipe"}}
+    assert climbs(graph) == ["workbench.spec.recipe -> workbench.training.session"]

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from workbench import ModelError
-from workbench.builtin import resolve_builtin
-from workbench.models import resolve_model_path
+from workbench.base.builtin import resolve_builtin
+from workbench.model.loading import resolve_model_path
 
 
 def digests(folder):
@@ -40,8 +40,8 @@ def test_model_paths_resolve_or_fail_clearly(tmp_path):
 
 
 def test_hub_id_offline_gives_a_clear_error(monkeypatch):
-    from workbench.models import load_tokenizer
-    from workbench.recipe import ModelSection
+    from workbench.model.loading import load_tokenizer
+    from workbench.spec.recipe import ModelSection
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="cannot load the tokenizer of 'nobody/no-such-model' from the hub"):

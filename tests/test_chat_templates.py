@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from workbench.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
-from workbench.cli import main
-from workbench.data import tokenize_segments
-from workbench.errors import RecipeError
-from workbench.formats import chat_segments
-from workbench.models import load_tokenizer
-from workbench.recipe import DataSection, ModelSection, Recipe
+from workbench.spec.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
+from workbench.frontends.cli import main
+from workbench.data.pipeline import tokenize_segments
+from workbench.base.errors import RecipeError
+from workbench.spec.formats import chat_segments
+from workbench.model.loading import load_tokenizer
+from workbench.spec.recipe import DataSection, ModelSection, Recipe
 
 REFERENCES = Path(__file__).parent / "data" / "chat_templates"
 # the special tokens every registered template uses, so that one tokenizer renders and checks them all
@@ -191,8 +191,8 @@ def test_a_bad_template_stops_the_cli_before_anything_is_trained(tmp_path, capsy
 def test_a_run_saves_its_template_beside_its_adapter_and_into_its_gguf(tmp_path):
     from gguf import GGUFReader
 
-    from workbench.gguf_export import export_gguf
-    from workbench.merging import merge
+    from workbench.outputs.gguf_export import export_gguf
+    from workbench.outputs.merging import merge
 
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n"
@@ -279,7 +279,7 @@ def test_a_row_on_which_a_template_fails_is_named_with_its_line(tmp_path, capsys
 
 @pytest.mark.parametrize("file", sorted(p.name for p in REFERENCES.glob("*.jinja")) + ["chatml"])
 def test_real_templates_render_long_conversations_within_the_budget_as_transformers_does(tokenizer, file):
-    from workbench.chat_templates import render as budgeted
+    from workbench.spec.chat_templates import render as budgeted
 
     template = TEMPLATES[file].source if file in TEMPLATES else reference(file)
     no_system = "gemma" in file or "mistral" in file  # these refuse a system message

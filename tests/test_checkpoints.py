@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workbench import Recipe, RecipeError, WorkbenchError, train
-from workbench.distributed import _raised_in_collective, collective_failure
-from workbench.resume import check_resume
-from workbench.runs import RunDir
-from workbench.strategies import Layout
+from workbench.distributed.accelerator import _raised_in_collective, collective_failure
+from workbench.training.resume import check_resume
+from workbench.rundir.runs import RunDir
+from workbench.spec.strategies import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -282,7 +282,7 @@ def test_a_tampered_checkpoint_record_is_one_line_naming_its_file_and_field(tmp_
 
 
 def test_the_checkpoint_schema_reads_every_field_the_loop_saves():
-    from workbench.checkpoints import ProgressState
+    from workbench.training.checkpoints import ProgressState
     from workbench.training.parts import Progress
 
     assert set(ProgressState.model_fields) == set(Progress().state_dict())

@@ -4,7 +4,7 @@ import pytest
 from transformers import LlamaConfig
 
 from workbench import Recipe, RecipeError
-from workbench.compat import check_runtime
+from workbench.spec.compat import check_runtime
 
 
 @pytest.mark.parametrize("data, message", [

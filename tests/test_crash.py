@@ -18,8 +18,8 @@ import pytest
 
 from run_files import adapter, assert_same_adapter, logged_step, wait_for
 from workbench import train
-from workbench.errors import NonFiniteError
-from workbench.runs import RunDir
+from workbench.base.errors import NonFiniteError
+from workbench.rundir.runs import RunDir
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import torch
 
 from run_files import resumed_from_its_checkpoint
 from workbench import train
-from workbench.cli import main
-from workbench.data import mix_sources, tokenize_data
-from workbench.errors import DataError
-from workbench.models import load_tokenizer
-from workbench.recipe import DataSource
+from workbench.frontends.cli import main
+from workbench.data.pipeline import mix_sources, tokenize_data
+from workbench.base.errors import DataError
+from workbench.model.loading import load_tokenizer
+from workbench.spec.recipe import DataSource
 
 CHAT = "recipes/data/tiny_chat.jsonl"
 
@@ -112,7 +112,7 @@ def test_a_source_that_cannot_be_read_is_named(tiny_recipe, tmp_path):
 
 
 def test_the_preview_shows_the_mix_and_rows_of_each_source(tiny_recipe, tmp_path):
-    from workbench.preview import preview_data
+    from workbench.outputs.preview import preview_data
 
     preview = preview_data(mixed(tiny_recipe, tmp_path), rows=2)
     lines = preview.summary_lines()
@@ -123,7 +123,7 @@ def test_the_preview_shows_the_mix_and_rows_of_each_source(tiny_recipe, tmp_path
 
 
 def test_the_estimator_counts_each_source_times_its_weight(tiny_recipe, tmp_path):
-    from workbench.memory import data_tokens
+    from workbench.estimator.memory import data_tokens
 
     one = data_tokens(tiny_recipe)
     recipe = mixed(tiny_recipe, tmp_path, alpaca_weight=1)
@@ -133,7 +133,7 @@ def test_the_estimator_counts_each_source_times_its_weight(tiny_recipe, tmp_path
 
 @pytest.mark.slow
 def test_a_mixed_run_resumes_exactly_and_evaluates_each_source(tiny_recipe, tmp_path):
-    from workbench.evaluation import evaluate
+    from workbench.outputs.evaluation import evaluate
 
     recipe = mixed(tiny_recipe, tmp_path, eval_split=0.1).override("training.max_steps=4", "output.save_every=2")
     done = train(recipe, progress_bar=False)
@@ -173,8 +173,8 @@ def test_a_source_that_truncation_empties_is_refused_by_name(tiny_recipe, tmp_pa
 def test_evaluate_limit_takes_rows_of_every_source_in_turn():
     import datasets
 
-    from workbench.data import Rows
-    from workbench.evaluation import _each_row
+    from workbench.data.pipeline import Rows
+    from workbench.outputs.evaluation import _each_row
 
     def part(name, count):
         rows = Rows(datasets.Dataset.from_dict({"i": list(range(count))}), name, lambda k: f"{name}:{k + 1}", name)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workbench.runs import RunDir
+from workbench.rundir.runs import RunDir
 
 pytestmark = pytest.mark.slow
 

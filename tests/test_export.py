@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from workbench import Recipe, WorkbenchError, generate, train
-from workbench.errors import ModelError, RecipeError
-from workbench.evaluation import evaluate, format_evaluation, greedy_answers
-from workbench.inference import load_for_inference
-from workbench.merging import merge
+from workbench.base.errors import ModelError, RecipeError
+from workbench.outputs.evaluation import evaluate, format_evaluation, greedy_answers
+from workbench.model.inference import load_for_inference
+from workbench.outputs.merging import merge
 
 ROOT = os.getcwd()  # conftest moved us to the project root
 PROMPTS = ["Tell me a short story.", "What is 12 plus 13?", "Repeat the word stone three times.",
@@ -192,7 +192,7 @@ class Recorder(io.StringIO):
 
 
 def test_chat_loop_keeps_history_resets_and_streams(tiny_path):
-    from workbench.chat import ChatSession, chat_loop
+    from workbench.outputs.chat import ChatSession, chat_loop
 
     model, tokenizer = load_for_inference(tiny_path, device="cpu")  # a plain model path works too
     session = ChatSession(model, tokenizer, max_new_tokens=12)
@@ -216,8 +216,8 @@ def test_a_chat_template_that_would_not_finish_is_one_line_not_a_hung_server(tin
     render's budget stops it, in any thread, with a message; the session takes up the next template as before."""
     import threading
 
-    from workbench.chat import ChatSession
-    from workbench.inference import answer
+    from workbench.outputs.chat import ChatSession
+    from workbench.model.inference import answer
 
     model, tokenizer = load_for_inference(tiny_path, device="cpu")
     own = tokenizer.chat_template
@@ -248,7 +248,7 @@ def test_chat_in_a_terminal_streams_the_tuned_answer(tiny_run):
     prompt = "Tell me a short story."
     expected = generate(tiny_run.run_dir, prompt, max_new_tokens=16)
     env = {**os.environ, "PYTHONPATH": ROOT, "TERM": "dumb"}
-    child = pexpect.spawn(sys.executable, ["-m", "workbench.chat", str(tiny_run.run_dir), "--max-new-tokens", "16"],
+    child = pexpect.spawn(sys.executable, ["-m", "workbench.outputs.chat", str(tiny_run.run_dir), "--max-new-tokens", "16"],
                           cwd=ROOT, env=env, encoding="utf-8", timeout=180)
     try:
         child.expect_exact("you> ")
@@ -268,7 +268,7 @@ def test_chat_in_a_terminal_streams_the_tuned_answer(tiny_run):
 
 
 def test_chat_main_reports_a_bad_source_on_one_line(capsys):
-    from workbench.chat import main
+    from workbench.outputs.chat import main
 
     assert main(["no/such/model/folder"]) == ModelError.exit_code
     assert capsys.readouterr().err.startswith("error: model.path: no/such/model/folder does not exist")
@@ -277,7 +277,7 @@ def test_chat_main_reports_a_bad_source_on_one_line(capsys):
 def test_the_cli_merges_evaluates_and_shows_scores_in_the_runs_table(tiny_run, tmp_path, capsys):
     import shutil
 
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     run_dir = tmp_path / "runs" / "copy"
     shutil.copytree(tiny_run.run_dir, run_dir)
@@ -296,7 +296,7 @@ def test_the_cli_merges_evaluates_and_shows_scores_in_the_runs_table(tiny_run, t
 def test_a_damaged_adapter_is_one_line_naming_the_file_and_merge_leaves_nothing(tiny_run, tmp_path, capsys, damage):
     import shutil
 
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     run_dir = tmp_path / "runs" / "copy"
     shutil.copytree(tiny_run.run_dir, run_dir)
@@ -386,8 +386,8 @@ def damage_adapter(run_dir, damage: str):
 def test_a_damaged_adapter_config_is_one_line_in_every_command(tiny_run, tmp_path, capsys, damage, reason):
     import shutil
 
-    from workbench.chat import main as chat_main
-    from workbench.cli import main
+    from workbench.outputs.chat import main as chat_main
+    from workbench.frontends.cli import main
 
     run_dir = tmp_path / "runs" / "copy"
     shutil.copytree(tiny_run.run_dir, run_dir)

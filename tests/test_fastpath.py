@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from workbench.data import IGNORE, Collator
-from workbench.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
-from workbench.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
-                                plain_head)
+from workbench.data.pipeline import IGNORE, Collator
+from workbench.model.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
+from workbench.model.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
+                                     plain_head)
 from workbench.hardware import probes
-from workbench.packed_attention import AttentionCosts, attention_costs
-from workbench.packed_attention import (FORCE_ENV, PerSampleAttention, Span, _mask_of, choose_path, packed_attention,
-                                        sample_spans, use_packed_attention)
+from workbench.model.packed_attention import AttentionCosts, attention_costs
+from workbench.model.packed_attention import (FORCE_ENV, PerSampleAttention, Span, _mask_of, choose_path,
+                                              packed_attention, sample_spans, use_packed_attention)
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):
@@ -62,7 +62,7 @@ def test_chunked_loss_matches_full_logits(tiny_path, monkeypatch):
     model = lora_model(tiny_path)
     batch = packed_batch()
     reference = loss_and_grads(model, batch, full_logits_loss_sum)
-    monkeypatch.setattr("workbench.lm_loss.CHUNK_ELEMENTS", 1024 * 7)  # several chunks, a short last one
+    monkeypatch.setattr("workbench.model.lm_loss.CHUNK_ELEMENTS", 1024 * 7)  # several chunks, a short last one
     chunked = loss_and_grads(model, batch, lm_loss_sum)
     torch.testing.assert_close(chunked[0], reference[0], rtol=1e-5, atol=1e-4)
     assert_close_grads(chunked[1], reference[1], rtol=1e-3, atol=1e-5)
@@ -87,10 +87,10 @@ def test_a_16bit_head_computed_in_float32_matches_the_float32_head(monkeypatch, 
     casts it a slice of the vocabulary at a time (slices of 7 words and a short last one here) and must give
     the loss and hidden-state gradient of the float32 head (whose values are exactly bf16's), compacted rows
     (CPU) or masked ones (accelerators) alike."""
-    from workbench.lm_loss import _LinearCrossEntropySum
+    from workbench.model.lm_loss import _LinearCrossEntropySum
 
     torch.manual_seed(0)
-    monkeypatch.setattr("workbench.lm_loss.CHUNK_ELEMENTS", 16 * 7)
+    monkeypatch.setattr("workbench.model.lm_loss.CHUNK_ELEMENTS", 16 * 7)
     hidden = torch.randn(2, 9, 16, requires_grad=True)
     weight = torch.randn(50, 16).to(torch.bfloat16)
     labels = torch.randint(0, 50, (2, 9))

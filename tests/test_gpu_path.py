@@ -1,4 +1,4 @@
-"""The GPU path, checked on a CPU: the attention kernel each device and recipe get (workbench/attention.py), what
+"""The GPU path, checked on a CPU: the attention kernel each device and recipe get (workbench/model/attention.py), what
 the estimator charges for each, and what the loop does differently on a GPU (no device read per step, page-locked
 non-blocking copies, fused AdamW, compiled layers). FlexAttention's numbers are proven in tests/test_data.py."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from workbench import Recipe
-from workbench.attention import FLEX_BLOCK, mask_bytes, resolve
-from workbench.distributed import host_transfer
-from workbench.errors import NonFiniteError, RecipeError
-from workbench.memory import estimate
-from workbench.runs import RunDir
-from workbench.stopping import host_reads_every_step
+from workbench.model.attention import FLEX_BLOCK, mask_bytes, resolve
+from workbench.distributed.accelerator import host_transfer
+from workbench.base.errors import NonFiniteError, RecipeError
+from workbench.estimator.memory import estimate
+from workbench.rundir.runs import RunDir
+from workbench.distributed.stopping import host_reads_every_step
 from workbench import train
 from workbench.training.parts import adamw_kernel, build_optimizer
 
@@ -51,7 +51,7 @@ def test_auto_takes_the_kernel_that_keeps_packed_samples_apart_without_a_dense_m
 def test_a_kernel_that_cannot_train_here_is_refused_naming_model_attn(monkeypatch, tmp_path):
     with pytest.raises(RecipeError, match="model.attn: flash_attention_2 runs on CUDA GPUs only"):
         resolve(tiny("model.attn=flash_attention_2"), "cpu")
-    monkeypatch.setattr("workbench.attention.flash_attn_installed", lambda: False)
+    monkeypatch.setattr("workbench.model.attention.flash_attn_installed", lambda: False)
     with pytest.raises(RecipeError, match="model.attn: flash_attention_2 needs the flash-attn package"):
         resolve(tiny("model.attn=flash_attention_2"), "cuda")
     # an estimate for another machine does not ask this one's packages
@@ -112,7 +112,7 @@ def test_gpu_batches_copy_without_waiting_and_adamw_is_one_fused_kernel(tiny_rec
 def test_compiled_layers_train_the_same_run(tiny_recipe, monkeypatch):
     """training.compile compiles each decoder layer in place: the same losses, and the run records what ran."""
     compiled = []
-    import workbench.fastpath as fastpath
+    import workbench.model.fastpath as fastpath
 
     real = fastpath.compile_layers
     monkeypatch.setattr(LOOP, "compile_layers", lambda model: compiled.append(real(model)) or compiled[-1])
@@ -150,7 +150,7 @@ def _agree_on_two_ranks(rank: int, port: int, results) -> None:
 
     import torch.distributed as dist
 
-    from workbench.stopping import NonFiniteWatch, StopRequest, agree, host_group
+    from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, host_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -183,7 +183,7 @@ def test_ranks_agree_on_the_earliest_nan_and_on_a_signal_every_step():
 def test_auto_leaves_flex_attention_to_models_and_gpus_that_run_it():
     from transformers import GPT2Config, LlamaConfig
 
-    from workbench.attention import flex_unavailable, with_implementation
+    from workbench.model.attention import flex_unavailable, with_implementation
 
     assert "GPT2 has no FlexAttention" in flex_unavailable(GPT2Config(), torch.float32)
     assert flex_unavailable(LlamaConfig(), torch.float32) is None  # a CPU: no GPU backward to probe

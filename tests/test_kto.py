@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from workbench import DataError, Recipe, RecipeError
-from workbench.data import IGNORE, Collator, prepare_data, tokenize_row
-from workbench.formats import detect, format_of
-from workbench.objectives import only_samples, sample_index
-from workbench.recipe import DataSection
-from workbench.runs import RunDir
+from workbench.data.pipeline import IGNORE, Collator, prepare_data, tokenize_row
+from workbench.spec.formats import detect, format_of
+from workbench.training.objectives import only_samples, sample_index
+from workbench.spec.recipe import DataSection
+from workbench.rundir.runs import RunDir
 
 ROW = {"prompt": "What is 2 plus 3?", "completion": "2 plus 3 is 5.", "label": True}
 
@@ -222,7 +222,7 @@ def test_unpaired_rows_do_not_mix_with_single_answers():
 
 
 def test_the_estimate_counts_two_sequences_and_two_reference_forwards():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     sft = Recipe.load("recipes/tiny.yaml", ["training.micro_batch_size=8", "data.max_seq_len=256"])
     kto = sft.override("data.format=unpaired", "training.objective=kto")
@@ -252,8 +252,8 @@ def rows_of(run_dir):
 
 @pytest.mark.slow
 def test_the_reward_margin_grows_and_evaluate_reports_it(tmp_path):
-    from workbench.evaluation import evaluate, format_evaluation
-    from workbench.preview import preview_data
+    from workbench.outputs.evaluation import evaluate, format_evaluation
+    from workbench.outputs.preview import preview_data
 
     result = kto_run(tmp_path)
     evals = [r for r in rows_of(result.run_dir) if "eval_loss" in r]
@@ -289,7 +289,7 @@ def test_the_reward_margin_grows_and_evaluate_reports_it(tmp_path):
 def test_sharing_the_prompt_trains_as_whole_sequences_do(tmp_path, monkeypatch):
     """On a CPU a row holds its prompt once, the KL sample continuing it: the same losses, KL estimates and
     rewards as the answer and the KL sample as two whole sequences, step by step."""
-    resume = importlib.import_module("workbench.resume")  # where the run decides the layout
+    resume = importlib.import_module("workbench.training.resume")  # where the run decides the layout
     steps = ["data.packing=false", "training.max_steps=4", "output.log_every=1", "output.eval_every=4",
              "output.save_every=null"]
     shared = kto_run(tmp_path / "shared", *steps)

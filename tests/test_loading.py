@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from workbench import Recipe
-from workbench.errors import ModelError
-from workbench.model_configs import checkpoint_files, describe_model
-from workbench.models import load_base_model, read_without_mapping
+from workbench.base.errors import ModelError
+from workbench.spec.model_configs import checkpoint_files, describe_model
+from workbench.model.loading import load_base_model, read_without_mapping
 
 from conftest import FP32, ROOT
 
@@ -111,7 +111,7 @@ def test_a_damaged_checkpoint_is_named_not_a_traceback(tiny_bf16_path, tmp_path,
 
 def test_the_vocabulary_dtype_is_read_from_the_files_not_the_config(tiny_path, tmp_path):
     """A float32 checkpoint whose config says bfloat16 (or nothing) keeps a float32 vocabulary."""
-    from workbench.models import attach_adapter
+    from workbench.model.loading import attach_adapter
 
     folder = tmp_path / "says-bf16"
     folder.mkdir()
@@ -132,7 +132,7 @@ def test_the_vocabulary_dtype_is_read_from_the_files_not_the_config(tiny_path, t
 
 def test_an_embedding_that_scales_in_its_own_dtype_keeps_its_dtype(tiny_bf16_path):
     """Gemma's scaled embeddings multiply in the weight's dtype: a 16-bit copy would change their output."""
-    from workbench.models import keep_vocabulary_16bit
+    from workbench.model.loading import keep_vocabulary_16bit
 
     class ScaledEmbedding(torch.nn.Embedding):
         def forward(self, ids):

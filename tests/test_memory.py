@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from workbench.hardware.catalogue import GiB, get_device, parse_bytes
-from workbench.errors import WorkbenchError
-from workbench.memory import estimate
-from workbench.model_configs import lora_targets
-from workbench.model_configs import describe_model, find_config, shipped_configs
-from workbench.recipe import Recipe
+from workbench.base.errors import WorkbenchError
+from workbench.estimator.memory import estimate
+from workbench.spec.model_configs import lora_targets
+from workbench.spec.model_configs import describe_model, find_config, shipped_configs
+from workbench.spec.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.yaml"
@@ -121,7 +121,7 @@ def test_lora_count_by_hand():
     ["adapter.target_modules=[q_proj,v_proj]", "adapter.r=4"], ["adapter.method=dora"], ["adapter.method=full"],
 ])
 def test_trainable_count_matches_peft(overrides):
-    from workbench.models import attach_adapter, count_parameters, load_base_model
+    from workbench.model.loading import attach_adapter, count_parameters, load_base_model
 
     recipe = tiny(*overrides)
     total, trainable = count_parameters(attach_adapter(load_base_model(recipe), recipe))
@@ -137,8 +137,8 @@ def test_all_linear_skips_the_output_head():
 
 
 def test_throughput_uses_the_flop_counter_formula():
-    from workbench.metrics import FlopCounter
-    from workbench.models import attach_adapter, load_base_model
+    from workbench.base.metrics import FlopCounter
+    from workbench.model.loading import attach_adapter, load_base_model
 
     # full fine-tuning: no adapter wrappers, so metrics.matmul_flops sees each Linear once
     recipe = tiny("adapter.method=full")
@@ -302,8 +302,8 @@ def test_text_and_dataframe():
 
 
 def test_prediction_for_run():
-    from workbench.memory import prediction_for_run
-    from workbench.strategies import SINGLE, layout_of
+    from workbench.estimator.memory import prediction_for_run
+    from workbench.spec.strategies import SINGLE, layout_of
 
     got = prediction_for_run(tiny(), SINGLE, 1, "cpu")
     assert got["predicted_strategy"] == "single" and got["predicted_peak_memory_mb"] > 100
@@ -377,7 +377,7 @@ def test_the_estimate_is_within_10_percent_of_every_peak_measured_on_a_gpu(tmp_p
         import llama3_1b
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    from workbench.memory import CUDA_CONTEXT
+    from workbench.estimator.memory import CUDA_CONTEXT
 
     report = json.loads(GPU_MEASURED.read_text())
     assert "H200" in report["environment"]["device"] and not report["dry_run"]
@@ -435,7 +435,7 @@ def check_estimate_against_a_real_run(name, tmp_path):
     overrides = [f"output.dir={tmp_path}/{{name}}", "output.save_every=null", "training.max_steps=3",
                  "training.grad_accum=1", "data.max_seq_len=128", *RUNS[name]]
     # The command users run, in a fresh process: peak RSS is a process-wide high-water mark, and the CLI sets the
-    # training process's heap as workbench/heap.py says.
+    # training process's heap as workbench/base/heap.py says.
     done = subprocess.run([sys.executable, "-m", "workbench", "train", str(TINY), *overrides, "--overwrite",
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -454,7 +454,7 @@ def check_estimate_against_a_real_run(name, tmp_path):
 
 
 def test_the_cli_prints_the_documented_json(capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     assert main(["estimate", "recipes/llama3.1-70b-qlora-fsdp.yaml", "--world-size", "2", "--device", "rtx4090",
                  "--price-per-gpu-hour", "0.5", "--json"]) == 0
@@ -473,8 +473,8 @@ def test_the_cli_prints_the_documented_json(capsys):
 
 def test_cpu_estimates_rise_with_the_batch_whatever_the_heap(monkeypatch):
     """The planner bisects: the estimate must never fall as the micro-batch or the sequence grows, also where the
-    training process's heap starts mapping large blocks on its own (workbench/heap.py)."""
-    from workbench import heap
+    training process's heap starts mapping large blocks on its own (workbench/base/heap.py)."""
+    from workbench.base import heap
 
     for returned in (False, True):
         monkeypatch.setattr(heap, "_state", returned)

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from workbench import Recipe, merge, train
-from workbench.models import attach_adapter, bnb_config, load_base_model
-from workbench.runs import RunDir
+from workbench.model.loading import attach_adapter, bnb_config, load_base_model
+from workbench.rundir.runs import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,8 +118,8 @@ def test_qlora_merges_into_a_dequantized_base(tmp_path):
 def test_qlora_keeps_the_unquantized_frozen_weights_in_the_model_dtype(tmp_path):
     """Embeddings, head and norms stay bfloat16 beside the 4-bit Linears (peft's k-bit preparation would make them
     float32); quantization.upcast_frozen brings that back. The estimator counts what the model holds."""
-    from workbench.memory import weight_bytes
-    from workbench.model_configs import describe_model
+    from workbench.estimator.memory import weight_bytes
+    from workbench.spec.model_configs import describe_model
 
     recipe = method_recipe("tiny-qlora", tmp_path, "model.dtype=bfloat16", "training.mixed_precision=no",
                            "quantization.compute_dtype=float32")
@@ -145,9 +145,9 @@ def test_qlora_computing_in_float32_keeps_a_bf16_checkpoints_vocabulary_in_bf16(
     """Where a QLoRA model computes in float32 (a CPU without native bf16), the embeddings and head of a bf16
     checkpoint stay bf16 (precision.vocabulary_dtype_of): the same loss, gradients and logits as the float32
     upcast, and the estimator counts half the bytes for them."""
-    from workbench.lm_loss import lm_loss_sum
-    from workbench.memory import vocabulary_params, weight_bytes
-    from workbench.model_configs import describe_model
+    from workbench.model.lm_loss import lm_loss_sum
+    from workbench.estimator.memory import vocabulary_params, weight_bytes
+    from workbench.spec.model_configs import describe_model
 
     recipe = method_recipe("tiny-qlora", tmp_path, f"model.path={tiny_bf16_path}", "model.dtype=float32",
                            "training.mixed_precision=no", "quantization.compute_dtype=float32")
@@ -224,7 +224,7 @@ def test_gradient_checkpointing_gives_the_same_losses(tiny_recipe):
 
 
 def test_target_module_presets(tiny_recipe):
-    from workbench.models import count_parameters
+    from workbench.model.loading import count_parameters
 
     counts = {}
     for preset in ("attention", "mlp", "all-linear"):

@@ -1,4 +1,4 @@
-"""Model cards (workbench/model_card.py) and `workbench push` (workbench/publish.py): every saved adapter and merged
+"""Model cards (workbench/rundir/model_card.py) and `workbench push` (workbench/outputs/publish.py): every saved adapter and merged
 model carries a README.md whose figures are the run's own, and a push fails in a second, before any merge,
 when the hub cannot be reached or the repository id is bad."""
 
@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from workbench import RecipeError, WorkbenchError, train
-from workbench.cli import main
-from workbench.merging import merge
-from workbench.publish import push
-from workbench.model_card import refresh_model_cards, write_model_card
-from workbench.runs import RunDir
+from workbench.frontends.cli import main
+from workbench.outputs.merging import merge
+from workbench.outputs.publish import push
+from workbench.rundir.model_card import refresh_model_cards, write_model_card
+from workbench.rundir.runs import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ("training.max_steps=2", "output.log_every=1")
@@ -113,7 +113,7 @@ def test_a_card_that_cannot_be_written_does_not_break_the_save(tiny_recipe, monk
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("workbench.model_card.write_model_card", refuse)
+    monkeypatch.setattr("workbench.rundir.model_card.write_model_card", refuse)
     with pytest.warns(UserWarning, match="model card not written.*No space left on device"):
         result = train(tiny_recipe.override(*SHORT), progress_bar=False)
     adapter = Path(result.run_dir) / "adapter"
@@ -164,7 +164,7 @@ def test_push_uploads_the_adapter_or_the_merged_model_with_its_card(tiny_run, mo
     import huggingface_hub
 
     FakeHub.uploads = []
-    monkeypatch.setattr("workbench.hub.hub_offline", lambda: False)
+    monkeypatch.setattr("workbench.outputs.hub.hub_offline", lambda: False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
     run_dir = Path(tiny_run.run_dir)
@@ -203,7 +203,7 @@ def test_odd_paths_cannot_break_the_card_or_its_snippet(tiny_recipe, tmp_path):
     import ast
     import shutil
 
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     model = tmp_path / 'my "tiny" model'
     shutil.copytree(resolve_builtin("builtin:tiny"), model)
@@ -219,7 +219,7 @@ def test_odd_paths_cannot_break_the_card_or_its_snippet(tiny_recipe, tmp_path):
 
 @pytest.mark.parametrize("targets, shown", [("[embed_tokens,q_proj]", True), ("all-linear", False)])
 def test_a_lora_plus_card_gives_the_embedding_rate_where_targets_can_name_an_embedding(tiny_recipe, targets, shown):
-    from workbench.model_card import _method_section
+    from workbench.rundir.model_card import _method_section
 
     recipe = tiny_recipe.override("adapter.lora_plus_ratio=16", "adapter.lora_plus_lr_embedding=3e-6",
                                   f"adapter.target_modules={targets}").model_dump(mode="json")

@@ -1,4 +1,4 @@
-"""The preference objectives (workbench/objectives.py) agree with TRL, to float32 tolerance.
+"""The preference objectives (workbench/training/objectives.py) agree with TRL, to float32 tolerance.
 
 One tiny model (builtin:tiny with its LoRA adapter, weights drawn from a seeded generator so that the adapter is far
 from zero and the policy differs from the reference), one set of pairs, the same token ids on both sides:
@@ -31,9 +31,9 @@ from conftest import FP32, ROOT
 
 pytest.importorskip("trl")
 
-from workbench import objectives  # noqa: E402
-from workbench.data import IGNORE, Collator, pack, tokenize_row  # noqa: E402
-from workbench.objectives import DPO, ORPO, adapter_off_of, counts, sample_logps  # noqa: E402
+from workbench.training import objectives
+from workbench.data.pipeline import IGNORE, Collator, pack, tokenize_row
+from workbench.training.objectives import DPO, ORPO, adapter_off_of, counts, sample_logps
 
 BETA = 0.3  # DPO's beta, not TRL's default (0.1): a beta mixed up anywhere shows
 LAM = 0.25  # ORPO's lambda (TRL calls it beta), not the default (0.1) either
@@ -87,7 +87,7 @@ def lora_grads(model) -> dict:
 
 
 def pair_example(prompt_ids, chosen_ids, rejected_ids) -> dict:
-    """A preference example as workbench.data.tokenize_row makes one: chosen then rejected, prompt tokens without
+    """A preference example as workbench.data.pipeline.tokenize_row makes one: chosen then rejected, prompt tokens without
     labels, positions restarting at 0 for the rejected sample."""
     chosen, rejected = prompt_ids + chosen_ids, prompt_ids + rejected_ids
     return {"input_ids": chosen + rejected,
@@ -113,7 +113,7 @@ def setup(tmp_path_factory):
     from trl import DPOConfig, DPOTrainer
 
     from workbench import Recipe
-    from workbench.models import attach_adapter, load_base_model, load_tokenizer
+    from workbench.model.loading import attach_adapter, load_base_model, load_tokenizer
 
     recipe = Recipe.load(ROOT / "recipes/tiny-dpo.yaml").override(*FP32, f"training.dpo_beta={BETA}")
     tokenizer = load_tokenizer(recipe.model)
@@ -150,8 +150,8 @@ def fast_twin(setup):
     """A second copy of the same model and adapter weights with the training loop's fast paths on (per-sample
     attention over packed rows, LoRA's input path), as the training session runs it: kept apart because TRL's forward
     must see the libraries' own paths."""
-    from workbench.fastpath import apply_fast_paths
-    from workbench.models import attach_adapter, load_base_model
+    from workbench.model.fastpath import apply_fast_paths
+    from workbench.model.loading import attach_adapter, load_base_model
 
     twin = attach_adapter(load_base_model(setup.recipe), setup.recipe)
     twin.load_state_dict(setup.model.state_dict())
@@ -204,7 +204,7 @@ LAYOUTS = ["pair_per_row", "packed", "packed_fast_paths_per_sample", "packed_fas
 def model_for(layout, setup, request, monkeypatch):
     if "fast_paths" not in layout:
         return setup.model
-    from workbench.packed_attention import FORCE_ENV
+    from workbench.model.packed_attention import FORCE_ENV
 
     # both of the packed-attention paths the cost model chooses between (one masked SDPA, or per sample)
     monkeypatch.setenv(FORCE_ENV, "masked" if layout.endswith("masked") else "per_sample")
@@ -422,7 +422,7 @@ def test_plain_text_unpaired_rows_tokenize_as_trl(setup, trl_kto):
     and the completion as written and the EOS, no chat template (although this tokenizer has one); the KL sample is
     the same prompt with the previous row's completion. So the ids test_kto_matches_trl scores are the workbench's
     own."""
-    from workbench.recipe import DataSection
+    from workbench.spec.recipe import DataSection
 
     section = DataSection(format="unpaired", max_seq_len=1024)
     assert setup.tokenizer.chat_template, "a tokenizer without a template would not tell the two renderings apart"
@@ -439,7 +439,7 @@ def test_conversational_unpaired_rows_go_through_the_chat_template(setup):
     the generation prompt, then the answer): the same answer tokens, after the template's prompt."""
     from trl.data_utils import _tokenize
 
-    from workbench.recipe import DataSection
+    from workbench.spec.recipe import DataSection
 
     section = DataSection(format="unpaired", max_seq_len=1024)
     for i, row in enumerate(KTO_ROWS):
@@ -470,7 +470,7 @@ def reward_setup(tmp_path_factory):
     from trl import RewardConfig, RewardTrainer
 
     from workbench import Recipe
-    from workbench.models import attach_adapter, load_base_model, load_tokenizer
+    from workbench.model.loading import attach_adapter, load_base_model, load_tokenizer
 
     recipe = Recipe.load(ROOT / "recipes/tiny-reward.yaml").override(*FP32)
     tokenizer = load_tokenizer(recipe.model)
@@ -525,9 +525,9 @@ def test_reward_matches_trl(reward_setup, layout, request, monkeypatch):
     weight's gradient (the LoRA factors and the score head) are TRL's."""
     model = reward_setup.model
     if "fast_paths" in layout:
-        from workbench.fastpath import apply_fast_paths
-        from workbench.models import attach_adapter, load_base_model
-        from workbench.packed_attention import FORCE_ENV
+        from workbench.model.fastpath import apply_fast_paths
+        from workbench.model.loading import attach_adapter, load_base_model
+        from workbench.model.packed_attention import FORCE_ENV
 
         monkeypatch.setenv(FORCE_ENV, "masked" if layout.endswith("masked") else "per_sample")
         twin = attach_adapter(load_base_model(reward_setup.recipe), reward_setup.recipe)
@@ -634,7 +634,7 @@ def test_a_shared_prompt_gives_the_same_log_probabilities_and_gradients(setup):
     """Each pair holding its prompt once (the rejected answer continuing it, per-sample attention) scores every
     answer as the pair of whole sequences does under transformers' own sdpa path, with the same LoRA gradients,
     in fewer tokens; all pairs packed in one row and right-padded rows of one pair alike."""
-    from workbench.packed_attention import use_packed_attention
+    from workbench.model.packed_attention import use_packed_attention
 
     model, cfg = setup.model, setup.recipe.data
     rows = [json.loads(line) for line in (ROOT / "recipes/data/preference_train.jsonl").read_text().splitlines()[:8]]

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench import Recipe, RecipeError, estimate
-from workbench.distributed import configure_threads
+from workbench.distributed.accelerator import configure_threads
 from workbench.hardware import probes
 from workbench.hardware.probes import PROBE_ENV
-from workbench.precision import cpu_half, resolve, resolve_recipe
+from workbench.hardware.precision import cpu_half, resolve, resolve_recipe
 
 NO_NATIVE_BF16 = "bf16=0.8,fp32=39"  # an AVX2-only CPU, as measured
 NATIVE_BF16 = "bf16=700,fp32=150"  # a CPU with AVX-512 BF16 / AMX
@@ -120,7 +120,7 @@ def test_the_estimator_resolves_auto_for_the_device_it_plans_for(slow_bf16):
 
 
 def test_the_launcher_passes_the_resolved_mode(slow_bf16):
-    from workbench.launcher import plan_launch
+    from workbench.distributed.launcher import plan_launch
 
     plan = plan_launch("recipes/tiny.yaml", nproc=2)
     assert plan.command[plan.command.index("--mixed_precision") + 1] == "no"

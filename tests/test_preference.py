@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from workbench import DataError, Recipe, RecipeError, WorkbenchError
-from workbench.data import IGNORE, Collator, prepare_data, sample_starts, tokenize_row
-from workbench.formats import FORMAT_NAMES, FORMATS, detect, format_of
-from workbench.objectives import counts, sample_index
-from workbench.recipe import DataSection
-from workbench.runs import RunDir
+from workbench.data.pipeline import IGNORE, Collator, prepare_data, sample_starts, tokenize_row
+from workbench.spec.formats import FORMAT_NAMES, FORMATS, detect, format_of
+from workbench.training.objectives import counts, sample_index
+from workbench.spec.recipe import DataSection
+from workbench.rundir.runs import RunDir
 
 PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
 
@@ -253,7 +253,7 @@ def test_orpo_trains_full_fine_tuning_without_a_reference():
 
 
 def test_the_estimate_counts_two_sequences_per_pair_and_the_reference_forward():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     sft = Recipe.load("recipes/tiny.yaml", ["training.micro_batch_size=8", "data.max_seq_len=256"])
     dpo = sft.override("data.format=preference", "training.objective=dpo")
@@ -306,7 +306,7 @@ def test_the_margin_grows_on_the_shipped_recipe(objective, tmp_path):
 def test_sharing_the_prompt_trains_as_whole_sequences_do(objective, tmp_path, monkeypatch):
     """The loop's default on a CPU (each pair holds its prompt once) against the pairs as two whole sequences:
     the same losses, rewards and held-out figures, step by step."""
-    resume = importlib.import_module("workbench.resume")  # where the run decides the pair layout
+    resume = importlib.import_module("workbench.training.resume")  # where the run decides the pair layout
     steps = ["data.packing=false", "training.max_steps=4", "output.log_every=1", "output.eval_every=4",
              "output.save_every=null"]
     shared = preference_run(tmp_path / "shared", objective, *steps)
@@ -327,8 +327,8 @@ def test_a_resumed_run_keeps_the_pair_layout_it_started_with(tmp_path):
     whole pairs; one started with shared prompts cannot resume where attention cannot read them."""
     from transformers import LlamaConfig
 
-    from workbench.attention import Attention
-    from workbench.resume import ResumePlan
+    from workbench.model.attention import Attention
+    from workbench.training.resume import ResumePlan
 
     recipe = Recipe.load("recipes/tiny-dpo.yaml")
     cpu, gpu = Attention("sdpa", "per_sample", "cpu"), Attention("flex_attention", "document_mask", "gpu")
@@ -356,7 +356,7 @@ def test_pairs_share_prompts_only_without_dropout():
     loss, so a run with LoRA dropout or a model that drops out keeps whole pairs."""
     from transformers import GPT2Config, LlamaConfig
 
-    from workbench.attention import Attention, model_drops_out, shares_prompts
+    from workbench.model.attention import Attention, model_drops_out, shares_prompts
 
     recipe, cpu = Recipe.load("recipes/tiny-dpo.yaml"), Attention("sdpa", "per_sample", "cpu")
     assert shares_prompts(cpu, recipe, LlamaConfig())
@@ -405,7 +405,7 @@ def test_a_resumed_dpo_run_equals_an_uninterrupted_one(tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_reports_preference_accuracy_base_beside_tuned(tmp_path):
-    from workbench.evaluation import evaluate, format_evaluation
+    from workbench.outputs.evaluation import evaluate, format_evaluation
 
     result = preference_run(tmp_path, "dpo")
     report = evaluate(result.run_dir)

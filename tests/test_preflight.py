@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoTokenizer, LlamaConfig
 
 from workbench import RecipeError, WorkbenchError, train
-from workbench.cli import main
-from workbench.preflight import (check_context_length, check_disk_space, check_tokenizer, checkpoint_bytes,
-                                 preflight)
+from workbench.frontends.cli import main
+from workbench.training.preflight import (check_context_length, check_disk_space, check_tokenizer, checkpoint_bytes,
+                                          preflight)
 
 
 def test_a_missing_data_file_is_named(tiny_recipe):

@@ -1,4 +1,4 @@
-"""The data preview (workbench/preview.py): the rows as training tokenizes them, their trained tokens, token
+"""The data preview (workbench/outputs/preview.py): the rows as training tokenizes them, their trained tokens, token
 lengths, truncation and packing, through the API, the command line and the UI's handler."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.data import IGNORE, load_rows, prepare_data, tokenize_row
-from workbench.models import load_tokenizer
+from workbench.data.pipeline import IGNORE, load_rows, prepare_data, tokenize_row
+from workbench.model.loading import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_a_bad_row_is_named_with_its_line(tmp_path):
 
 
 def test_the_command_prints_text_json_and_a_histogram(tmp_path, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     command = ["data", "recipes/tiny.yaml", "data.max_seq_len=32", "--rows", "1"]
     assert main(command + ["--histogram", str(tmp_path / "lengths.png")]) == 0
@@ -154,7 +154,7 @@ def test_a_data_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
 
 
 def test_a_chat_template_that_refuses_a_row_is_named_with_its_line(tmp_path):
-    from workbench.builtin import resolve_builtin
+    from workbench.base.builtin import resolve_builtin
 
     model = tmp_path / "model"
     import shutil
@@ -201,7 +201,7 @@ def test_a_pair_that_training_leaves_out_says_so_and_each_side_has_its_own_trunc
 
 
 def test_control_characters_of_the_data_never_reach_the_terminal(tmp_path, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     data = tmp_path / "esc.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "\x1b[2J\x1b]0;title\x07 hi"},

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import ROOT
 from workbench import WorkbenchError, train
-from workbench.cli import main
-from workbench.hub import check_hub_access
-from workbench.publish import push
+from workbench.frontends.cli import main
+from workbench.outputs.hub import check_hub_access
+from workbench.outputs.publish import push
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_push_online_never_waits_on_the_hub_while_it_imports_the_libraries(tiny_
 def test_the_offline_import_puts_the_hub_switch_back():
     from silent_server import SilentServer
 
-    check = ("import os, sys\nfrom huggingface_hub import constants\nfrom workbench.quiet import "
+    check = ("import os, sys\nfrom huggingface_hub import constants\nfrom workbench.base.quiet import "
              "import_bitsandbytes_offline\nimport_bitsandbytes_offline()\n"
              "print('bitsandbytes' in sys.modules, constants.HF_HUB_OFFLINE, os.environ.get('HF_HUB_OFFLINE'))")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}

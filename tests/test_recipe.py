@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from workbench import Recipe, RecipeError
-from workbench.cli import main
+from workbench.frontends.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import Recipe, RecipeError, WorkbenchError, preview_data
-from workbench.runs import RunDir
+from workbench.rundir.runs import RunDir
 
 PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
 
@@ -39,7 +39,7 @@ def test_contradictory_recipes_are_refused_naming_the_field(overrides, message):
 
 
 def test_the_model_is_a_sequence_classifier_whose_score_head_trains_beside_the_adapter():
-    from workbench.models import attach_adapter, load_base_model
+    from workbench.model.loading import attach_adapter, load_base_model
 
     recipe = Recipe.load("recipes/tiny-reward.yaml", ["model.dtype=float32", "training.mixed_precision=no"])
     torch.manual_seed(0)
@@ -52,13 +52,13 @@ def test_the_model_is_a_sequence_classifier_whose_score_head_trains_beside_the_a
 
 
 def test_the_estimate_leaves_out_the_lm_head_and_its_logits():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     pairs = Recipe.load("recipes/tiny-reward.yaml", ["training.objective=orpo", "data.max_seq_len=256"])
     reward = pairs.override("training.objective=reward")
     rows = {name: next(s for s in estimate(r, device="cpu").strategies if s["name"] == "single")["breakdown"]
             for name, r in (("orpo", pairs), ("reward", reward))}
-    from workbench.model_configs import describe_model
+    from workbench.spec.model_configs import describe_model
 
     info = describe_model("builtin:tiny")
     head = next(lin for lin in info.linears if lin.name == info.head)
@@ -71,8 +71,8 @@ def test_the_estimate_leaves_out_the_lm_head_and_its_logits():
 def test_a_pair_that_truncation_cuts_is_left_out_and_counted(tmp_path, tiny_tokenizer, monkeypatch):
     """A reward is read at a sample's last token: in a cut answer that is mid-answer, so a reward model leaves the
     pair out (other objectives train on what truncation keeps)."""
-    from workbench.data import prepare_data
-    from workbench.recipe import DataSection
+    from workbench.data.pipeline import prepare_data
+    from workbench.spec.recipe import DataSection
 
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "pairs.jsonl"
@@ -107,7 +107,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_held_out_accuracy_grows_and_evaluate_reports_it(trained):
-    from workbench.evaluation import evaluate, format_evaluation
+    from workbench.outputs.evaluation import evaluate, format_evaluation
 
     evals = [r for r in rows_of(trained.run_dir) if "eval_loss" in r]
     first, last = evals[0], evals[-1]
@@ -135,10 +135,10 @@ def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from workbench.data import Collator, tokenize_pair, tokenize_row
-    from workbench.merging import merge
-    from workbench.models import resolve_model_path
-    from workbench.objectives import sequence_rewards
+    from workbench.data.pipeline import Collator, tokenize_pair, tokenize_row
+    from workbench.outputs.merging import merge
+    from workbench.model.loading import resolve_model_path
+    from workbench.training.objectives import sequence_rewards
 
     adapter = trained.run_dir / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -161,7 +161,7 @@ def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
 
     folder = merge(trained.run_dir, dtype="fp32")
     merged = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    from workbench.inference import generate
+    from workbench.model.inference import generate
 
     with pytest.raises(WorkbenchError, match="holds a classifier .*LlamaForSequenceClassification"):
         generate(folder, "What is 2 plus 3?")  # loaded as a language model, it would write noise
@@ -172,8 +172,8 @@ def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
 
 @pytest.mark.slow
 def test_commands_that_need_an_lm_head_are_refused_in_one_line(trained, capsys):
-    from workbench.cli import main
-    from workbench.inference import generate
+    from workbench.frontends.cli import main
+    from workbench.model.inference import generate
 
     with pytest.raises(WorkbenchError, match="a reward model .* scores answers and writes none"):
         generate(trained.run_dir, "What is 2 plus 3?")

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from workbench.cli import main
-from workbench.errors import RecipeError
-from workbench.models import load_base_model, load_config, resolve_model_path
-from workbench.preflight import check_context_length
-from workbench.recipe import LONGEST_TRAINED_CONTEXT, Recipe
+from workbench.frontends.cli import main
+from workbench.base.errors import RecipeError
+from workbench.model.loading import load_base_model, load_config, resolve_model_path
+from workbench.training.preflight import check_context_length
+from workbench.spec.recipe import LONGEST_TRAINED_CONTEXT, Recipe
 
 FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
 
@@ -46,7 +46,7 @@ def test_max_seq_len_may_grow_to_the_stretched_context_and_no_further():
 
 
 def test_the_estimators_longest_sequence_reads_the_scaling():
-    from workbench.memory import estimate
+    from workbench.estimator.memory import estimate
 
     plain = estimate(tiny()).strategies[0]["limits"]["max_seq_len"]
     stretched = estimate(tiny("model.rope_scaling={type: linear, factor: 4}")).strategies[0]["limits"]["max_seq_len"]
@@ -83,7 +83,7 @@ def test_bad_rope_scaling_is_one_line_naming_the_field(tmp_path, capsys, value, 
 @pytest.mark.slow
 def test_a_stretched_run_is_scored_with_the_scaling_it_trained_with(tmp_path):
     from workbench import train
-    from workbench.evaluation import evaluate
+    from workbench.outputs.evaluation import evaluate
 
     result = train(tiny("model.rope_scaling={type: yarn, factor: 2}", "data.max_seq_len=1100",
                         "training.max_steps=2", "output.eval_every=null", f"output.dir={tmp_path}/run"),

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from workbench import load_run, train
-from workbench.errors import DataError, RecipeError, WorkbenchError, WriteError
-from workbench.inference import load_for_inference
-from workbench.runs import RunDir, in_use, write_json_atomic
+from workbench.base.errors import DataError, RecipeError, WorkbenchError, WriteError
+from workbench.model.inference import load_for_inference
+from workbench.rundir.runs import RunDir, in_use, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tiny_recipe):
 
 
 def test_resume_auto_on_a_completed_run_refuses_another_recipe_as_resume_does(tiny_recipe, tmp_path, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     recipe = tiny_recipe.override("training.max_steps=2")
     done = train(recipe, progress_bar=False)
@@ -110,7 +110,7 @@ def test_resume_refuses_a_changed_recipe_naming_every_change(tiny_recipe):
 
 
 def test_a_refused_change_inside_the_data_mix_names_the_source_and_field_in_one_bounded_line(tiny_recipe, tmp_path):
-    from workbench.resume import LISTED_CHANGES, check_resume
+    from workbench.training.resume import LISTED_CHANGES, check_resume
 
     # long paths first, so that a message showing the whole list cut to length would hide the weight that changed
     sources = [{"path": f"{tmp_path}/{'nested/' * 10}source-{i}.jsonl", "weight": 1} for i in range(20)]
@@ -285,7 +285,7 @@ def test_damaged_run_files_are_one_line_errors_and_do_not_break_the_table(tiny_r
 
 
 def test_the_cli_summary_prints_missing_figures_as_n_a(capsys):
-    from workbench.cli import _print_summary
+    from workbench.frontends.cli import _print_summary
 
     _print_summary(Path("runs/x"), {"status": "completed", "steps": 4, "world_size": 1, "strategy": "single",
                                     "wall_s": 1.0, "tokens": 10, "tokens_per_s": None, "peak_memory_mb": 1.0,
@@ -306,7 +306,7 @@ def test_the_cli_summary_prints_missing_figures_as_n_a(capsys):
     (["chat", "builtin:tiny", "--temperature", "nan"], "--temperature"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     try:
         code = main(argv)
@@ -318,7 +318,7 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
 
 
 def test_chat_help_works(capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     with pytest.raises(SystemExit) as exit:
         main(["chat", "--help"])
@@ -358,8 +358,8 @@ def test_a_resumed_run_sums_up_like_an_uninterrupted_one(tiny_recipe):
 
 def test_a_rank_above_the_models_width_is_warned_about():
     from workbench import Recipe
-    from workbench.models import load_config
-    from workbench.preflight import preflight
+    from workbench.model.loading import load_config
+    from workbench.training.preflight import preflight
 
     recipe = Recipe.load("recipes/tiny.yaml", ["adapter.r=100000"])
     (warning,) = preflight(recipe, None, load_config(recipe.model))
@@ -394,7 +394,7 @@ def test_overwrite_replaces_only_the_runs_own_files_and_names_what_it_kept(tiny_
 KILL_AT = r"""
 import json, os, shutil, sys
 from pathlib import Path
-from workbench.runs import RunDir
+from workbench.rundir.runs import RunDir
 
 source, work = Path(sys.argv[1]), Path(sys.argv[2])
 states = []
@@ -432,9 +432,9 @@ print(json.dumps(states))
 @pytest.mark.parametrize("earlier", ["completed", "interrupted"])
 def test_a_kill_9_at_any_point_of_an_overwrite_leaves_a_run_that_reads_resumes_and_replaces_cleanly(tiny_recipe,
                                                                                                 tmp_path, earlier):
-    from workbench.preflight import check_output_dir
-    from workbench.resume import claim
-    from workbench.runs import RUN_ENTRIES, is_leftover
+    from workbench.training.preflight import check_output_dir
+    from workbench.training.resume import claim
+    from workbench.rundir.runs import RUN_ENTRIES, is_leftover
 
     if earlier == "completed":
         recipe = tiny_recipe.override("training.max_steps=2", "output.save_every=1", "output.keep_last=2")

@@ -1,8 +1,8 @@
-"""The run's summary is written and read through one type (workbench/run_summary.py): what a run writes into run.json
+"""The run's summary is written and read through one type (workbench/rundir/run_summary.py): what a run writes into run.json
 reads back by attribute, its grouped figures in their groups."""
 
-from workbench.run_summary import HEADLINE, RunSummary
-from workbench.runs import summary_html
+from workbench.rundir.run_summary import HEADLINE, RunSummary
+from workbench.rundir.runs import summary_html
 
 
 def finished() -> RunSummary:
@@ -51,7 +51,7 @@ def test_the_runs_table_shows_a_run_files_escape_sequences_escaped(tmp_path, cap
     import json
 
     from workbench import Recipe
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)

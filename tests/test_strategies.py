@@ -4,10 +4,10 @@ compatibility rules checked on the layout that really runs (no processes are sta
 import pytest
 
 from workbench import Recipe, RecipeError
-from workbench.memory import estimate
-from workbench.strategies import (DDP, FSDP, FSDP_HYBRID, FSDP_OFFLOAD, SINGLE, ZERO1, ZERO2, ZERO3, ZERO3_OFFLOAD,
-                                  Layout, by_name, candidates, layout_of)
-from workbench.layout_choice import resolve
+from workbench.estimator.memory import estimate
+from workbench.spec.strategies import (DDP, FSDP, FSDP_HYBRID, FSDP_OFFLOAD, SINGLE, ZERO1, ZERO2, ZERO3,
+                                       ZERO3_OFFLOAD, Layout, by_name, candidates, layout_of)
+from workbench.estimator.layout_choice import resolve
 
 RECIPE = "recipes/tiny.yaml"
 
@@ -129,7 +129,7 @@ def test_a_run_without_deepspeed_never_imports_it():
     code = """
 import sys, torch
 from accelerate import Accelerator
-from workbench.distributed import full_state_dict, unwrap
+from workbench.distributed.accelerator import full_state_dict, unwrap
 accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 model = accelerator.prepare(torch.nn.Linear(4, 4))
 assert "_original_forward" in model.__dict__

@@ -23,8 +23,8 @@ import torch
 from test_distributed import (COMMON, RECIPE, TIMEOUT_S, adapter, assert_close_adapters, free_port, launch, losses,
                               summary_of)
 from workbench import Recipe
-from workbench.memory import estimate
-from workbench.runs import RunDir
+from workbench.estimator.memory import estimate
+from workbench.rundir.runs import RunDir
 
 pytestmark = pytest.mark.slow
 

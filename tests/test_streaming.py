@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from run_files import resumed_from_its_checkpoint
-from workbench import streaming, train
-from workbench.cli import main
-from workbench.data import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
-from workbench.errors import DataError
-from workbench.models import load_tokenizer
-from workbench.runs import RunDir
-from workbench.streaming import StreamBatches, StreamedExamples
+from workbench.data import streaming
+from workbench import train
+from workbench.frontends.cli import main
+from workbench.data.pipeline import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
+from workbench.base.errors import DataError
+from workbench.model.loading import load_tokenizer
+from workbench.rundir.runs import RunDir
+from workbench.data.streaming import StreamBatches, StreamedExamples
 
 STREAMED = ("data.streaming=true", "training.max_steps=4")
 
@@ -148,7 +149,7 @@ def test_a_stream_reads_csv_and_parquet_rows_naming_their_place(tiny_recipe, tmp
 
 
 def test_the_preview_of_a_stream_reads_only_its_opening(tiny_recipe, tmp_path, monkeypatch):
-    from workbench.preview import preview_data
+    from workbench.outputs.preview import preview_data
 
     monkeypatch.setattr(streaming, "PREVIEW_ROWS", 50)
     rows = open("recipes/data/tiny_chat.jsonl").read().splitlines()
@@ -253,7 +254,7 @@ def test_a_row_no_reader_takes_is_named_as_the_map_style_path_names_it(tiny_reci
 
 
 def test_a_preview_that_stops_at_an_opening_with_nothing_to_learn_says_so(tiny_recipe, tmp_path, monkeypatch):
-    from workbench.preview import preview_data
+    from workbench.outputs.preview import preview_data
 
     monkeypatch.setattr(streaming, "PREVIEW_ROWS", 20)
     long_answers = [{"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y"}]}] * 20

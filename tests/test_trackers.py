@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from workbench import RecipeError, WorkbenchError, train
-from workbench.cli import main
-from workbench.metrics import read_metrics
-from workbench.preflight import preflight
-from workbench.trackers import check_tracker_packages, prepare_trackers, summary_figures
+from workbench.frontends.cli import main
+from workbench.base.metrics import read_metrics
+from workbench.training.preflight import preflight
+from workbench.distributed.trackers import check_tracker_packages, prepare_trackers, summary_figures
 from workbench.training.parts import _flat
 
 RESOLVED_BY_THE_RUN = {"model.attn", "distributed.strategy"}  # `auto` in the recipe, concrete in the run's config
@@ -267,7 +267,7 @@ def _mlflow_at(monkeypatch, url: str, timeout_s: str | None = None):
 
 
 def test_every_mlflow_request_of_a_run_has_a_time_limit_unless_the_user_set_one(tmp_path, monkeypatch):
-    from workbench.trackers import MLFLOW_REQUEST_RETRIES, MLFLOW_REQUEST_TIMEOUT_S
+    from workbench.distributed.trackers import MLFLOW_REQUEST_RETRIES, MLFLOW_REQUEST_TIMEOUT_S
 
     _mlflow_at(monkeypatch, "http://127.0.0.1:9")
     prepare_trackers(["mlflow"], tmp_path)
@@ -368,8 +368,8 @@ def test_a_tracker_that_fails_or_hangs_mid_run_is_left_out_and_the_run_goes_on(m
     import signal
     import types
 
-    from workbench.stopping import StopRequest
-    from workbench.trackers import log_to_trackers
+    from workbench.distributed.stopping import StopRequest
+    from workbench.distributed.trackers import log_to_trackers
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     seen = []
@@ -448,7 +448,7 @@ def test_wandb_without_a_login_is_refused_by_the_preflight(tiny_recipe, tmp_path
 def test_a_tracker_that_fails_to_start_is_one_error_not_two_tracebacks(tiny_recipe, wandb_logged_out,
                                                                        monkeypatch):
     """Were the preflight to miss it: W&B's own refusal, in one line, and no second error on the way out."""
-    monkeypatch.setattr("workbench.trackers.wandb_login_problem", lambda: None)
+    monkeypatch.setattr("workbench.distributed.trackers.wandb_login_problem", lambda: None)
     recipe = tiny_recipe.override("output.trackers=[wandb]")
     with pytest.raises(WorkbenchError) as failed:
         train(recipe, progress_bar=False)
@@ -507,7 +507,7 @@ def test_mlflow_settings_that_cannot_work_are_refused_by_the_preflight(tiny_reci
     with pytest.raises(RecipeError, match=r"MLFLOW_TRACKING_URI=sqlite:.* needs .*pip install sqlalchemy alembic"):
         preflight(recipe)
 
-    from workbench.trackers import mlflow_store
+    from workbench.distributed.trackers import mlflow_store
 
     assert mlflow_store("databricks") == ("other", "databricks")  # a name to MLflow, not a folder
     assert mlflow_store("postgresql+psycopg2://u@h/db")[0] == "database"

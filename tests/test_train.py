@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from workbench import generate, load_run, train
-from workbench.cli import main
-from workbench.runs import RunDir
+from workbench.frontends.cli import main
+from workbench.rundir.runs import RunDir
 
 
 def adapter_weights(run_dir):
@@ -50,7 +50,7 @@ def test_adapter_reloads_with_plain_peft_and_matches_the_trained_weights(tiny_re
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from workbench.models import attach_adapter, load_base_model
+    from workbench.model.loading import attach_adapter, load_base_model
 
     result = train(tiny_recipe.override("training.max_steps=4", "output.save_every=4"), progress_bar=False)
     config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
@@ -144,7 +144,7 @@ def test_peak_memory_is_the_process_own_not_an_inherited_one():
 
     ballast = bytearray(768 * 2**20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page so it is resident
-    code = "from workbench.metrics import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from workbench.base.metrics import peak_rss_bytes; print(peak_rss_bytes())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(child.stdout) < 600 * 2**20, "the child reported its parent's peak"
     del ballast
@@ -152,7 +152,7 @@ def test_peak_memory_is_the_process_own_not_an_inherited_one():
 
 def test_metrics_lines_that_are_not_rows_are_skipped(tmp_path):
     """A torn last line or a hand-edited value that is not an object never reaches code that reads rows."""
-    from workbench.metrics import read_metrics
+    from workbench.base.metrics import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n5\n[1, 2]\n"text"\nnull\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')

@@ -17,13 +17,13 @@ from matplotlib.figure import Figure
 pytest.importorskip("gradio")
 
 from ui import form  # noqa: E402
-from workbench import charts  # noqa: E402
+from workbench.base import charts
 from ui.handlers import COLUMNS, TABLE_HEADERS, Handlers, display_table  # noqa: E402
 from ui.jobs import JobRegistry  # noqa: E402
 from ui.workspace import PathError, Workspace  # noqa: E402
 from workbench import Recipe, RecipeError  # noqa: E402
-from workbench.formats import FORMAT_NAMES  # noqa: E402
-from workbench.runs import COMPARE_COLUMNS  # noqa: E402
+from workbench.spec.formats import FORMAT_NAMES
+from workbench.rundir.runs import COMPARE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -333,7 +333,7 @@ def test_estimate_chart_from_the_estimators_json_contract(h):
 
 
 def test_estimate_with_the_real_estimator(h):
-    pytest.importorskip("workbench.memory")
+    pytest.importorskip("workbench.estimator.memory")
     fig, status, table = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 1, 1, "h100", None, None)
     assert "Recommended strategy:" in status and len(table) >= 3 and fig.axes
     assert (table["max micro-batch"] >= 1).all() and (table["max seq len"] >= 8).all()  # the planner's figures
@@ -1030,7 +1030,7 @@ def test_estimate_and_chat_read_the_files_the_gate_checked_in_the_workspace(h, r
     asked = []
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("workbench.inference"), "generate", lambda *a, **k: asked.append(k.get("recipe")) or "ok")
+    monkeypatch.setattr(importlib.import_module("workbench.model.inference"), "generate", lambda *a, **k: asked.append(k.get("recipe")) or "ok")
     assert "answered" in h.chat("x", "hi", 4)[-1]
     assert [r.model.path for r in asked] == [str(root / "models/m")] * 2
 
@@ -1048,7 +1048,7 @@ def test_chat_shows_a_damaged_adapter_as_one_message(h, root, monkeypatch, error
     def broken(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(importlib.import_module("workbench.inference"), "generate", broken)
+    monkeypatch.setattr(importlib.import_module("workbench.model.inference"), "generate", broken)
     base, tuned, status = h.chat("x", "hi", 4)
     assert (base, tuned) == ("", "") and "wb-error" in status and type(error).__name__ in status
     assert "<br>" not in status

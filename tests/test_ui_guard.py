@@ -268,7 +268,7 @@ def test_another_loopback_name_on_the_same_port_is_another_origin():
 
 def test_a_trusted_proxy_must_be_an_address(monkeypatch):
     from ui.guard import trusted_proxy
-    from workbench.errors import WorkbenchError
+    from workbench.base.errors import WorkbenchError
 
     monkeypatch.setenv("WORKBENCH_UI_TRUSTED_PROXY", "localhost")
     with pytest.raises(WorkbenchError, match="WORKBENCH_UI_TRUSTED_PROXY.*address"):

@@ -14,12 +14,12 @@ from workbench import Recipe, train
 # write past the limit then fails with EFBIG, as on a full disk, instead of killing the process.
 UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys
-from workbench.builtin import resolve_builtin
+from workbench.base.builtin import resolve_builtin
 resolve_builtin("builtin:tiny")  # built and cached before the limit
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-from workbench.cli import main
+from workbench.frontends.cli import main
 raise SystemExit(main(sys.argv[2:]))
 """
 ADAPTER_BYTES_AT_MOST = 64_000  # the tiny adapter's weights are larger, its run files smaller

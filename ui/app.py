@@ -28,7 +28,7 @@ POLL_SECONDS = 2.0
 
 class FigurePlot(gr.Plot):
     """A gr.Plot for any matplotlib Figure: Gradio spots matplotlib by module name, which the charts'
-    Figure subclass (workbench.charts.WorkbenchFigure) does not carry."""
+    Figure subclass (workbench.base.charts.WorkbenchFigure) does not carry."""
 
     is_template = True  # Gradio's mark for a subclass that keeps its parent's front-end component
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from workbench.errors import RecipeError
-from workbench.recipe import Recipe, parse_recipe_yaml
+from workbench.base.errors import RecipeError
+from workbench.spec.recipe import Recipe, parse_recipe_yaml
 
 SKIP = object()  # a form value that cannot show what the YAML holds: leave the widget as it is
 ENABLED = "enabled"  # the pseudo-field of an optional section

@@ -24,7 +24,7 @@ import re
 import time
 from urllib.parse import unquote, urlsplit
 
-from workbench.errors import WorkbenchError
+from workbench.base.errors import WorkbenchError
 
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
 WILDCARDS = {"0.0.0.0", "::", ""}

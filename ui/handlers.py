@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from workbench import charts
-from workbench.errors import RecipeError, WorkbenchError, printable
-from workbench.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
+from workbench.base import charts
+from workbench.base.errors import RecipeError, WorkbenchError, printable
+from workbench.rundir.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 
 from . import form
 from .jobs import objective_of, registry_for, workbench_command
@@ -47,7 +47,7 @@ TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
 ACCURACY_COLUMNS = ("reward_accuracy_final", "eval_reward_accuracy_final")
 
 
-COLUMNS = COMPARE_COLUMNS  # workbench.runs' own (objective and reward figures included)
+COLUMNS = COMPARE_COLUMNS  # workbench.rundir.runs' own (objective and reward figures included)
 
 
 def status_html(kind: str, text: str) -> str:
@@ -164,7 +164,7 @@ class Handlers:
         """(status html, rows html, histogram) of the training data as the model will see it: `workbench data`
         run like a job (the workspace its working folder, a process of its own, a time limit), after the
         recipe's files are checked to lie inside the workspace."""
-        from workbench.preview import DataPreview
+        from workbench.outputs.preview import DataPreview
 
         try:
             count = _rows_to_show(rows, self.PREVIEW_MAX_ROWS)
@@ -211,17 +211,17 @@ class Handlers:
 
     def estimate(self, text: str, world_size: float, nodes: float, device: str | None,
                  device_memory_gib: float | None, price: float | None, estimator=None):
-        """(figure, summary html, strategies table) from workbench.memory.estimate."""
+        """(figure, summary html, strategies table) from workbench.estimator.memory.estimate."""
         try:
             recipe = self.ws.local_recipe(self.recipe(text))  # read here: the files the checks looked at
             if estimator is None:
-                from workbench.memory import estimate as estimator
+                from workbench.estimator.memory import estimate as estimator
             memory = int(device_memory_gib * GIB) if device_memory_gib else None
             result = estimator(recipe, world_size=int(world_size or 1), nodes=int(nodes or 1),
                                device=None if device in (None, "", THIS_MACHINE) else device,
                                device_memory=memory, price_per_gpu_hour=price or None)
         except ImportError:
-            message = "the memory estimator (workbench.memory) is not installed in this version"
+            message = "the memory estimator (workbench.estimator.memory) is not installed in this version"
             return charts.empty(message), status_html("warn", message), pd.DataFrame()
         except (WorkbenchError, ValueError) as err:
             return charts.empty("no estimate: see the message above"), status_html("error", str(err)), pd.DataFrame()
@@ -329,7 +329,7 @@ class Handlers:
     # -- Compare --------------------------------------------------------------------------------
 
     def compare_rows(self, names: list[str] | None) -> tuple[list[dict], dict[str, list[dict]]]:
-        """workbench.runs' compare rows, each with the run's objective and (preference runs) reward figures."""
+        """workbench.rundir.runs' compare rows, each with the run's objective and (preference runs) reward figures."""
         runs = [load_run(self.ws.run_dir(n)) for n in names or []]
         # a run still training has no final figures in run.json yet: its last logged ones stand in
         rows = [{**row, **{k: v for k, v in logged_preference_figures(run).items() if _finite(row.get(k)) is None}}
@@ -372,9 +372,9 @@ class Handlers:
         """(base answer, tuned answer, status html) for the same prompt."""
         if not name or not (prompt or "").strip():
             return "", "", status_html("warn", "choose a run and write a prompt")
-        from workbench.recipe import Recipe
+        from workbench.spec.recipe import Recipe
 
-        inference = importlib.import_module("workbench.inference")
+        inference = importlib.import_module("workbench.model.inference")
 
         try:
             run_dir = self.ws.run_dir(name)

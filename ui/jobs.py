@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import workbench
-from workbench.metrics import read_metrics
-from workbench.recipe import TrainingSection
-from workbench.runs import write_json_atomic
+from workbench.base.metrics import read_metrics
+from workbench.spec.recipe import TrainingSection
+from workbench.rundir.runs import write_json_atomic
 
-from workbench.errors import WorkbenchError, printable
+from workbench.base.errors import WorkbenchError, printable
 
 from .workspace import PathError, Workspace
 
@@ -128,7 +128,7 @@ class JobRegistry:
     def _check_resumable(self, recipe_file: Path, job: Job) -> None:
         """The recipe a resume runs (the run's own file, which anyone with the workspace can edit) passes the
         launch's checks, and still names the job's run directory."""
-        from workbench.recipe import Recipe
+        from workbench.spec.recipe import Recipe
 
         recipe = Recipe.load(recipe_file)
         run_path = self.ws.check_recipe_paths(recipe, self.allow_remote_code)

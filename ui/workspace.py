@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workbench.errors import WorkbenchError
+from workbench.base.errors import WorkbenchError
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 RUN_ENTRIES = ("run.json", "recipe.yaml", "metrics.jsonl", "adapter", "model", "checkpoints")
@@ -194,6 +194,6 @@ class Workspace:
 
 
 def _is_file_name(chat_template: str | None) -> bool:
-    from workbench.chat_templates import TEMPLATES
+    from workbench.spec.chat_templates import TEMPLATES
 
     return bool(chat_template) and chat_template not in TEMPLATES

@@ -18,28 +18,29 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _API = {
-    "DataError": "errors", "ModelError": "errors", "RecipeError": "errors", "WorkbenchError": "errors",
-    "compare": "api", "launch": "api", "plot_compare": "api",
-    "evaluate": "evaluation", "generate": "inference", "merge": "merging",
-    "Estimate": "memory", "estimate": "memory",
-    "export": "gguf_export",
-    "push": "publish",
-    "ray_train": "cluster.ray",
-    "preview_data": "preview",
-    "Recipe": "recipe",
-    "Run": "runs", "TrainResult": "runs", "list_runs": "runs", "load_run": "runs",
+    "DataError": "base.errors", "ModelError": "base.errors", "RecipeError": "base.errors",
+    "WorkbenchError": "base.errors",
+    "compare": "frontends.api", "launch": "frontends.api", "plot_compare": "frontends.api",
+    "evaluate": "outputs.evaluation", "generate": "model.inference", "merge": "outputs.merging",
+    "Estimate": "estimator.memory", "estimate": "estimator.memory",
+    "export": "outputs.gguf_export",
+    "push": "outputs.publish",
+    "ray_train": "frontends.ray",
+    "preview_data": "outputs.preview",
+    "Recipe": "spec.recipe",
+    "Run": "rundir.runs", "TrainResult": "rundir.runs", "list_runs": "rundir.runs", "load_run": "rundir.runs",
     "train": "training.entry",
 }
 __all__ = sorted(_API)
 
 
 def __getattr__(name: str):
-    from .quiet import import_quietly
+    from workbench.base.quiet import import_quietly
 
     if name in _API:
         value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
     elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
-        value = import_quietly(f"{__name__}.{name}")  # a submodule: `workbench.heap.return_large_blocks()`
+        value = import_quietly(f"{__name__}.{name}")  # a submodule: `workbench.base.heap.return_large_blocks()`
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

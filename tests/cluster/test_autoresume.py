@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from workbench import train
-from workbench.runs import RunDir, load_run
+from workbench.rundir.runs import RunDir, load_run
 
 from .helpers import (COMMON, RECIPE, STEPS, adapter, assert_same_adapter, finish, free_port, logged_step, losses,
                       start, summary, wait_for)
@@ -111,7 +111,7 @@ def test_workbench_stop_ends_a_loop_running_in_a_thread_with_a_checkpoint(tiny_r
     directory, and the loop checkpoints and ends as SIGTERM would; the next start clears the answered request."""
     import threading
 
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     recipe = tiny_recipe.override("training.max_steps=40", "output.save_every=null", "output.log_every=1")
     run_dir = RunDir(recipe.run_dir)

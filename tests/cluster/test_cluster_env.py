@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import _resume_auto, build_parser, main
-from workbench.cluster.env import launch_defaults
-from workbench.errors import RecipeError
+from workbench.frontends.cli import _resume_auto, build_parser, main
+from workbench.distributed.cluster_env import launch_defaults
+from workbench.base.errors import RecipeError
 from workbench.hardware.current import cgroup_cpu_quota
-from workbench.runs import RunLock, load_run
-from workbench.stopping import STOP_SIGNAL_ENV, parse_signal, stop_signals
+from workbench.rundir.runs import RunLock, load_run
+from workbench.distributed.stopping import STOP_SIGNAL_ENV, parse_signal, stop_signals
 
 RECIPE = "recipes/tiny.yaml"
 
@@ -166,7 +166,7 @@ def test_threads_follow_the_cpu_quota_of_a_real_cgroup(tmp_path):
                     "cgroup cpu controller")
     try:
         code = ("import os; open(os.environ['CG'] + '/cgroup.procs', 'w').write(str(os.getpid()));"
-                "from workbench.distributed import configure_threads; print(configure_threads(None))")
+                "from workbench.distributed.accelerator import configure_threads; print(configure_threads(None))")
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
         out = subprocess.run([sys.executable, "-c", code], env={**env, "CG": str(group)}, capture_output=True,
                              text=True, timeout=120)
@@ -204,7 +204,7 @@ def test_slurm_writes_a_requeueable_script_with_the_jobs_own_port(tmp_path, caps
     (["name=a\nb"], "key=value"),
 ])
 def test_a_value_that_would_add_a_line_to_the_sbatch_script_is_refused(tmp_path, capsys, flags, named):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     script = tmp_path / "job.sbatch"
     assert main(["slurm", "recipes/tiny.yaml", f"output.dir={tmp_path}/runs/{{name}}", "--script", str(script),
@@ -216,11 +216,11 @@ def test_a_value_that_would_add_a_line_to_the_sbatch_script_is_refused(tmp_path,
 def test_workbench_stop_never_writes_through_a_link_in_the_run_directory(tmp_path, capsys):
     import json as json_
 
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     run = tmp_path / "run"
     run.mkdir()
-    from workbench.runs import process_owner
+    from workbench.rundir.runs import process_owner
 
     (run / "run.json").write_text(json_.dumps({"summary": {"status": "running", "owner": process_owner()}, "env": {}}))
     victim = tmp_path / "victim"
@@ -231,7 +231,7 @@ def test_workbench_stop_never_writes_through_a_link_in_the_run_directory(tmp_pat
 
 
 def test_slurm_refuses_to_overwrite_a_file_it_did_not_write_and_a_spaced_output_dir(tmp_path, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(open(RECIPE).read())
@@ -247,15 +247,15 @@ def test_slurm_refuses_to_overwrite_a_file_it_did_not_write_and_a_spaced_output_
 
 @pytest.mark.parametrize("name", ["WINCH", "CONT", "TSTP"])
 def test_a_signal_a_run_gets_in_normal_use_is_no_stop_signal(name):
-    from workbench.errors import RecipeError
-    from workbench.stopping import parse_signal
+    from workbench.base.errors import RecipeError
+    from workbench.distributed.stopping import parse_signal
 
     with pytest.raises(RecipeError, match=f"SIG{name} cannot stop a run cleanly"):
         parse_signal(name)
 
 
 def test_a_count_in_other_digits_is_refused_in_one_line(monkeypatch, capsys):
-    from workbench.cli import main
+    from workbench.frontends.cli import main
 
     monkeypatch.setenv("PET_NNODES", "²")
     assert main(["launch", RECIPE, "--dry-run"]) == 2
@@ -270,7 +270,7 @@ def test_the_printed_launch_command_carries_the_stop_signal(capsys):
 
 
 def test_workbench_stop_says_so_when_the_run_ends_as_the_request_is_written(tmp_path, capsys, monkeypatch):
-    from workbench.runs import RunDir, process_owner
+    from workbench.rundir.runs import RunDir, process_owner
 
     run = tmp_path / "run"
     run.mkdir()
@@ -290,7 +290,7 @@ def test_workbench_stop_says_so_when_the_run_ends_as_the_request_is_written(tmp_
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_launch_never_passes_on_a_stale_rank(monkeypatch, capsys, nproc):
-    from workbench.launcher import plan_launch
+    from workbench.distributed.launcher import plan_launch
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.errors import WorkbenchError
-from workbench.recipe import Recipe, _sections_in, path_fields
-from workbench.runs import RunDir
+from workbench.base.errors import WorkbenchError
+from workbench.spec.recipe import Recipe, _sections_in, path_fields
+from workbench.rundir.runs import RunDir
 
 from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
     summary, wait_for
@@ -72,7 +72,7 @@ def test_a_ray_run_survives_a_killed_worker_and_a_sigterm_and_ends_as_an_uninter
 
 
 def test_paths_are_made_absolute_before_workers_start(tmp_path):
-    from workbench.cluster.ray import anchored
+    from workbench.frontends.ray import anchored
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("{}\n")
@@ -104,7 +104,7 @@ def field_value(recipe: Recipe, name: str):
 
 @pytest.mark.parametrize("name", sorted(path_fields()))
 def test_every_path_field_of_the_recipe_is_anchored(name, tmp_path):
-    from workbench.cluster.ray import anchored
+    from workbench.frontends.ray import anchored
 
     assert name in RELATIVE, f"{name}: a path field with no relative value in this test"
     value = RELATIVE[name]
@@ -117,7 +117,7 @@ def test_every_path_field_of_the_recipe_is_anchored(name, tmp_path):
 
 
 def test_a_registered_chat_template_stays_a_name_beside_a_file_of_that_name(tmp_path):
-    from workbench.cluster.ray import anchored
+    from workbench.frontends.ray import anchored
 
     (tmp_path / "chatml").write_text("not this one")
     recipe = Recipe.load(RECIPE, ["data.chat_template=chatml"])
@@ -143,7 +143,7 @@ def test_every_field_that_names_a_file_or_folder_is_marked_as_a_path():
 
 def test_a_missing_data_file_is_one_line_before_ray_starts(tmp_path):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lora-workbench[ray]')")
-    from workbench.cluster.ray import ray_train
+    from workbench.frontends.ray import ray_train
 
     with pytest.raises(WorkbenchError, match=r"^data.train: file .*missing.jsonl not found"):
         ray_train(Recipe.load(RECIPE, ["data.train=recipes/data/missing.jsonl"]))
@@ -153,7 +153,7 @@ def test_a_missing_data_file_is_one_line_before_ray_starts(tmp_path):
 def test_without_ray_one_line_says_what_to_install(monkeypatch):
     import builtins
 
-    from workbench.cluster import ray as entry
+    from workbench.frontends import ray as entry
 
     real_import = builtins.__import__
 

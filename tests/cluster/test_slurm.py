@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.runs import RunDir
+from workbench.rundir.runs import RunDir
 
 from .helpers import COMMON, RECIPE, STEPS, adapter, assert_same_adapter, finish, logged_step, start, summary, wait_for
 

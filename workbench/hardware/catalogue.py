@@ -11,10 +11,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..errors import WorkbenchError
-from ..units import GiB, parse_bytes
-from ..precision import cpu_half
-from .probes import matmul_peak, once
+from workbench.base.errors import WorkbenchError
+from workbench.base.units import GiB, parse_bytes
+from workbench.hardware.precision import cpu_half
+from workbench.hardware.probes import matmul_peak, once
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
 GPU_PEAK_FLOPS = {

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..builtin import cache_dir
-from ..errors import WorkbenchError
-from .current import cpu_model_name
+from workbench.base.builtin import cache_dir
+from workbench.base.errors import WorkbenchError
+from workbench.hardware.current import cpu_model_name
 
 PROBE_ENV = "LORA_WORKBENCH_MATMUL_RATES"  # "bf16=0.8,fp32=39" (GFLOP/s): use these instead of probing
 
@@ -208,7 +208,7 @@ def cpu_runtime_bytes(deepspeed: bool = False) -> int:
 def _measure_runtime() -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "workbench.hardware.runtime_probe"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "workbench.training.runtime_probe"], capture_output=True,
                             text=True, timeout=600, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:

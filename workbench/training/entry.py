@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import time
 
-from .. import heap
-from ..errors import RecipeError, printable
-from ..cluster.env import check_launch_env
-from ..quiet import leaves_the_process_as_found, quiet_libraries
-from ..recipe import Recipe
-from ..hardware.current import world_size_from_env
-from ..resume import AUTO_RESUME, auto_resume, check_flags
-from ..runs import RunDir, TrainResult, read_result
-from .session import TrainingSession
+from workbench.base import heap
+from workbench.base.errors import RecipeError, printable
+from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
+from workbench.distributed.cluster_env import check_launch_env
+from workbench.hardware.current import world_size_from_env
+from workbench.rundir.runs import RunDir, TrainResult, read_result
+from workbench.spec.recipe import Recipe
+from workbench.training.resume import AUTO_RESUME, auto_resume, check_flags
+from workbench.training.session import TrainingSession
 
 
 @leaves_the_process_as_found
@@ -43,7 +43,7 @@ def train(recipe: Recipe | dict | str | os.PathLike, *, resume: bool | str = Fal
             print(f"{printable(recipe.run_dir)}: the run has completed; nothing to resume", flush=True)
             return read_result(recipe.run_dir)
         resume, overwrite = decision == "resume", decision == "replace"
-    heap.training_starts()  # what the estimate of this run assumes (workbench/heap.py)
+    heap.training_starts()  # what the estimate of this run assumes (workbench/base/heap.py)
     session = TrainingSession(recipe, resume=resume, overwrite=overwrite, progress_bar=progress_bar, started=started)
     session.auto_resume = auto
     session.setup()

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..adapter_init import InitialAdapter, parameter_groups, saving_converted
-from ..data import STAND_IN
-from ..distributed import full_state_dict, host_transfer, unwrap
-from ..errors import WorkbenchError, reported_as_write_error
-from ..inference import Answer, answer
-from ..model_card import write_model_card_or_warn
-from ..recipe import Recipe
-from ..runs import RunDir, replace_folder
-from ..trackers import log_to_trackers
+from workbench.base.errors import WorkbenchError, reported_as_write_error
+from workbench.data.pipeline import STAND_IN
+from workbench.distributed.accelerator import full_state_dict, host_transfer, unwrap
+from workbench.distributed.trackers import log_to_trackers
+from workbench.model.inference import Answer, answer
+from workbench.rundir.model_card import write_model_card_or_warn
+from workbench.rundir.runs import RunDir, replace_folder
+from workbench.spec.adapter_init import InitialAdapter, parameter_groups, saving_converted
+from workbench.spec.recipe import Recipe
 
 
 @dataclass

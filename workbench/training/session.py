@@ -19,39 +19,42 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from ..attention import dense_mask_warning, flex_problem_for_run
-from ..attention import with_implementation as attention_for
-from ..data import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows, prepare_data
-from ..streaming import StreamBatches, stream_data
-from ..distributed import (Heartbeat, accumulation_boundary, build_accelerator, collective_failure, collective_timeout,
-                           configure_threads, host_transfer, local_parameter_elements, patience,
-                           release_accelerator_state, unwrap, verify_launch)
-from ..errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
-from ..fastpath import apply_fast_paths, compile_layers, lora_fast_paths
-from ..hardware.catalogue import peak_flops
-from ..hardware.current import local_kind, node_count, world_size_from_env
-from ..launcher import check_launcher_agrees
-from ..lm_loss import full_logits_loss_sum, lm_loss_sum
-from ..memory import prediction_for_run
-from ..metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
-from .. import checkpoints, objectives
-from ..compat import check_runtime
-from ..model_card import refresh_model_cards
-from .. import adapter_init
-from ..models import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
-from ..precision import compute_dtype_of, resolve_recipe
-from ..preflight import check_disk_space, preflight
-from ..recipe import Recipe
-from ..resume import ResumePlan, agree_on_resume, claim
-from ..runs import RunDir, TrainResult, environment, process_owner, read_result
-from ..stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
-from ..layout_choice import resolve as resolve_layout
-from ..trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
-from .parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat, _nonfinite_message,
-                    _on_device, _only_trainable_weights, _progress, _reports_after, _rounded, _sample_generations,
-                    _window_totals, _windows, _write_eval, build_optimizer, build_scheduler, ensure_trainable,
-                    evaluate, save_adapter, set_peak_lr)
-from ..run_summary import PEAK_MEMORY_MB, RunSummary
+from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
+from workbench.base.metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
+from workbench.data.pipeline import (STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows,
+                                     prepare_data)
+from workbench.data.streaming import StreamBatches, stream_data
+from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary, build_accelerator,
+                                               collective_failure, collective_timeout, configure_threads,
+                                               host_transfer, local_parameter_elements, patience,
+                                               release_accelerator_state, unwrap, verify_launch)
+from workbench.distributed.launcher import check_launcher_agrees
+from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
+from workbench.distributed.trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
+from workbench.estimator.layout_choice import resolve as resolve_layout
+from workbench.estimator.memory import prediction_for_run
+from workbench.hardware.catalogue import peak_flops
+from workbench.hardware.current import local_kind, node_count, world_size_from_env
+from workbench.hardware.precision import compute_dtype_of, resolve_recipe
+from workbench.model.attention import dense_mask_warning, flex_problem_for_run
+from workbench.model.attention import with_implementation as attention_for
+from workbench.model.fastpath import apply_fast_paths, compile_layers, lora_fast_paths
+from workbench.model.lm_loss import full_logits_loss_sum, lm_loss_sum
+from workbench.model.loading import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
+from workbench.rundir.model_card import refresh_model_cards
+from workbench.rundir.run_summary import PEAK_MEMORY_MB, RunSummary
+from workbench.rundir.runs import RunDir, TrainResult, environment, process_owner, read_result
+from workbench.spec import adapter_init
+from workbench.spec.compat import check_runtime
+from workbench.spec.recipe import Recipe
+from workbench.training import checkpoints, objectives
+from workbench.training.parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat,
+                                      _nonfinite_message, _on_device, _only_trainable_weights, _progress,
+                                      _reports_after, _rounded, _sample_generations, _window_totals, _windows,
+                                      _write_eval, build_optimizer, build_scheduler, ensure_trainable, evaluate,
+                                      save_adapter, set_peak_lr)
+from workbench.training.preflight import check_disk_space, preflight
+from workbench.training.resume import ResumePlan, agree_on_resume, claim
 
 
 def clear_stop_request(run: RunDir) -> None:
@@ -182,7 +185,7 @@ class TrainingSession:
         # iterator) would drift from an uninterrupted one.
         # page-locked batches copy to a GPU asynchronously
         pinned = host_transfer(accelerator.device.type)["pin_memory"]
-        if streamed:  # dealt alike, as the stream is read (workbench/streaming.py)
+        if streamed:  # dealt alike, as the stream is read (workbench/data/streaming.py)
             self.batches_of = StreamBatches(self.data.train, collate, cfg.micro_batch_size,
                                             accelerator.num_processes, accelerator.process_index)
             self.train_loader = self.batches_of
@@ -213,7 +216,7 @@ class TrainingSession:
         model = attach_adapter(base, recipe, calibration)
         # PiSSA and OLoRA rewrote the base: their A0/B0, to save the adapter converted for the published base
         self.initial_adapter = adapter_init.InitialAdapter.of(model) if adapter_init.of(recipe).changes_base else None
-        if cfg.fast_paths:  # same results, less work: see workbench/fastpath.py
+        if cfg.fast_paths:  # same results, less work: see workbench/model/fastpath.py
             fast = apply_fast_paths(model, getattr(torch, compute_dtype_of(recipe)))
             if self.data.stats.get("shared_prompts") and not fast["packed_attention"]:
                 raise WorkbenchError(f"{recipe.model.path}: the per-sample attention that preference pairs holding "

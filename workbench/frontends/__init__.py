@@ -1,0 +1,1 @@
+"""The front doors: the command line, the Python API's helpers, and the Ray and SLURM launchers."""

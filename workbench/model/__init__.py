@@ -1,0 +1,1 @@
+"""Models: loading, quantization and adapters, attention kernels, the chunked loss, fast paths and generation."""

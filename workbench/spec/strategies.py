@@ -1,0 +1,218 @@
+"""Every distributed layout the workbench runs, in one place.
+
+A layout is a complete answer to "how do the processes share the work": the recipe's strategy word
+(single, ddp, fsdp, deepspeed) plus the settings that change what each process holds (ZeRO stage,
+offload, full or hybrid sharding). The memory estimator reads which parts a layout shards or offloads,
+the rules of which recipes a layout can run live here (`layout_problem`), `auto` resolves to a layout
+(workbench/estimator/layout_choice.py), the accelerator is built from it (workbench/distributed/accelerator.py) and checkpoints
+record it (workbench/training/checkpoints.py). Adding a layout touches this module, its plugin builder and the recipe
+schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from workbench.base.errors import RecipeError
+from workbench.spec import adapter_init
+
+if TYPE_CHECKING:
+    from workbench.spec.recipe import Recipe
+
+PARTS = ("weights", "adapter", "gradients", "optimizer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str  # the recipe's distributed.strategy word
+    stage: int = 0  # ZeRO stage (deepspeed)
+    hybrid: bool = False  # fsdp: shard within a machine, replicate across machines
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def name(self) -> str:
+        """The name the estimator, run.json and the docs use: ddp, zero2_offload, fsdp_hybrid, ..."""
+        if self.strategy == "deepspeed":
+            return f"zero{self.stage}" + ("_offload" if self.offload_optimizer or self.offload_params else "")
+        if self.strategy == "fsdp":
+            return "fsdp" + ("_hybrid" if self.hybrid else "") + ("_offload" if self.offload_params else "")
+        return self.strategy
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The parts of a training process split across the processes (of one machine, when hybrid)."""
+        if self.strategy == "fsdp" or self.stage == 3:
+            return PARTS
+        return {1: ("optimizer",), 2: ("optimizer", "gradients")}.get(self.stage, ())
+
+    @property
+    def offloads(self) -> tuple[str, ...]:
+        """The parts kept in CPU memory instead of the device's."""
+        if self.strategy == "fsdp":  # FSDP2's offload policy moves parameters, gradients and the optimizer
+            return PARTS if self.offload_params else ()
+        parts = ("optimizer",) if self.offload_optimizer else ()
+        return parts + (("weights", "adapter", "gradients") if self.offload_params else ())
+
+    @property
+    def shards_weights(self) -> bool:
+        return "weights" in self.shards
+
+    @property
+    def distributed_types(self) -> frozenset[str]:
+        """Accelerate's DistributedType names this layout may come up as (anything else is a silent fallback)."""
+        return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
+                          "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"}}[self.strategy])
+
+    @property
+    def launch_flag(self) -> str | None:
+        """The environment variable an accelerate config sets to ask for this strategy (workbench/distributed/launcher.py)."""
+        return {"fsdp": "ACCELERATE_USE_FSDP", "deepspeed": "ACCELERATE_USE_DEEPSPEED"}.get(self.strategy)
+
+    # -- memory (workbench/estimator/memory.py) ------------------------------------------------------------------
+
+    @property
+    def gradient_copies(self) -> int:
+        """Copies of the gradients a process holds: DDP's communication buckets keep a second one."""
+        return 2 if self.strategy == "ddp" else 1
+
+    @property
+    def keeps_master_weights(self) -> bool:
+        """Whether the optimizer side holds fp32 master copies of 16-bit trainable weights (DeepSpeed does)."""
+        return self.strategy == "deepspeed"
+
+    # -- checkpoints (workbench/training/checkpoints.py) --------------------------------------------------------
+
+    @property
+    def save_state_options(self) -> dict:
+        """For accelerator.save_state: DeepSpeed writes its own engine files, and must leave the frozen base out."""
+        return {"exclude_frozen_parameters": True} if self.strategy == "deepspeed" else {}
+
+    @property
+    def load_state_options(self) -> dict:
+        """For accelerator.load_state: checkpoints hold trainable weights only (DeepSpeed names it its own way)."""
+        return {"load_module_strict": False} if self.strategy == "deepspeed" else {"strict": False}
+
+    @property
+    def gathers_through_deepspeed(self) -> bool:
+        """Whole weights and optimizer moments come from DeepSpeed's fragments, not torch's state-dict API."""
+        return self.strategy == "deepspeed"
+
+    @property
+    def loads_portable_state(self) -> bool:
+        """Whether a checkpoint written on another layout or process count can be loaded into this one."""
+        return self.strategy != "deepspeed"  # a ZeRO engine loads only its own partitions
+
+    def settings(self) -> dict:
+        """The recipe fields (as overrides) that make a recipe run this layout."""
+        values: dict = {"distributed.strategy": self.strategy}
+        if self.strategy == "deepspeed":
+            values.update({"distributed.deepspeed.stage": self.stage,
+                           "distributed.deepspeed.offload_optimizer": "cpu" if self.offload_optimizer else "none",
+                           "distributed.deepspeed.offload_params": "cpu" if self.offload_params else "none"})
+        if self.strategy == "fsdp":
+            values.update({"distributed.fsdp.sharding": "hybrid" if self.hybrid else "full",
+                           "distributed.fsdp.cpu_offload": self.offload_params})
+        return values
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "strategy": self.strategy, "stage": self.stage, "hybrid": self.hybrid,
+                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params,
+                "shards": list(self.shards), "offloads": list(self.offloads)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        return cls(data["strategy"], int(data.get("stage", 0)), bool(data.get("hybrid")),
+                   bool(data.get("offload_optimizer")), bool(data.get("offload_params")))
+
+
+SINGLE, DDP = Layout("single"), Layout("ddp")
+ZERO1, ZERO2, ZERO3 = (Layout("deepspeed", stage) for stage in (1, 2, 3))
+FSDP, FSDP_HYBRID = Layout("fsdp"), Layout("fsdp", hybrid=True)
+FSDP_OFFLOAD = Layout("fsdp", offload_params=True)
+ZERO2_OFFLOAD = Layout("deepspeed", 2, offload_optimizer=True)
+ZERO3_OFFLOAD = Layout("deepspeed", 3, offload_optimizer=True, offload_params=True)
+
+
+def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
+    """The layouts `auto` and the estimator consider, in order of preference: least communication and
+    host traffic first."""
+    layouts = [SINGLE if world_size == 1 else DDP, ZERO1, ZERO2]
+    layouts += [FSDP_HYBRID] if nodes > 1 else []
+    return layouts + [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+
+
+def by_name(name: str) -> Layout:
+    for layout in candidates(2, 2):
+        if layout.name == name:
+            return layout
+    raise RecipeError(f"distributed: unknown layout {name!r} (known: "
+                      f"{', '.join(l.name for l in [SINGLE, *candidates(2, 2)])})")
+
+
+def layout_of(recipe: "Recipe", world_size: int) -> Layout:
+    """The layout a recipe whose strategy is not `auto` runs on `world_size` processes."""
+    dist = recipe.distributed
+    if world_size == 1:
+        if dist.strategy in ("fsdp", "deepspeed"):
+            raise RecipeError(
+                f"distributed.strategy: {dist.strategy} shards across processes, but this run has one process; "
+                "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
+            )
+        return SINGLE
+    if dist.strategy == "deepspeed":
+        ds = dist.deepspeed
+        stage, offload_optimizer, offload_params = ds.stage, ds.offload_optimizer == "cpu", ds.offload_params == "cpu"
+        if ds.config_file:  # the user's own DeepSpeed JSON decides what each process holds
+            zero = read_deepspeed_file(ds.config_file).get("zero_optimization", {})
+            stage = int(zero.get("stage", 0))
+            offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+            offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+        return Layout("deepspeed", stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
+    if dist.strategy == "fsdp":
+        return Layout("fsdp", hybrid=dist.fsdp.sharding == "hybrid", offload_params=dist.fsdp.cpu_offload)
+    return DDP  # ddp, or single asked of several processes: each a full replica
+
+
+def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
+    """Why this recipe cannot run on this layout (naming the field to change), or None.
+
+    Checked on the layout that really runs: a named strategy's at validation, `auto`'s once resolved."""
+    training, dist = recipe.training, recipe.distributed
+    if training.gradient_checkpointing and dist.fsdp.activation_checkpointing and layout.strategy == "fsdp":
+        return ("distributed.fsdp.activation_checkpointing: training.gradient_checkpointing is already on; "
+                "use one of the two")
+    if training.on_nonfinite == "skip" and layout.strategy == "deepspeed":
+        return ("training.on_nonfinite: skip is not possible under DeepSpeed, whose engine applies the update inside "
+                "backward; use on_nonfinite: stop (the last good checkpoint is kept) or strategy fsdp/ddp")
+    if training.optimizer != "adamw" and layout.strategy == "deepspeed":
+        return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
+                "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
+    init = adapter_init.of(recipe)
+    if layout.strategy == "deepspeed" and layout.shards_weights and (init.decomposes or init.needs_data):
+        # ZeRO-3 partitions the weights as they load: no whole weight is left to decompose or to run forward with
+        needs = "decomposes each whole weight" if init.decomposes else "runs forward passes over the training data"
+        return (f"adapter.init: {recipe.adapter.init} {needs} at start-up, which ZeRO-3 has already partitioned; use "
+                "strategy fsdp, zero2, or init default/gaussian")
+    q = recipe.quantization
+    if q is not None and layout.shards_weights:
+        if q.bits == 8:
+            return f"quantization.bits: 8-bit weights cannot be sharded by FSDP or ZeRO-3 ({layout.name}); use bits: 4"
+        if recipe.model.dtype == "auto" and q.quant_storage == "uint8":
+            return ("quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                    "set model.dtype and quantization.quant_storage to the same dtype (e.g. bfloat16)")
+        if recipe.model.dtype != "auto" and q.quant_storage != recipe.model.dtype:
+            return (f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
+                    f"set quantization.quant_storage: {recipe.model.dtype}")
+    return None
+
+
+def read_deepspeed_file(path) -> dict:
+    """A DeepSpeed config_file's JSON, or one error that names the field and the file."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as err:
+        raise RecipeError(f"distributed.deepspeed.config_file: cannot read {path}: {err}") from None

@@ -1,0 +1,386 @@
+"""Checkpoints: written whole or not at all, and resumable on the layout that wrote them or on another one.
+
+Each checkpoint holds two copies of the training state:
+
+- the engine's own (`accelerator.save_state`: FSDP's sharded files, DeepSpeed's ZeRO partitions, RNG
+  states per rank), which resumes exactly on the same layout and world size;
+- a portable one (`portable.safetensors` + `portable.json`): the trainable weights and their AdamW
+  moments, whole and keyed by parameter name, with the schedule and the loop's position counted in
+  samples. Any layout gathers it (a collective, cheap for adapters) and single, DDP and FSDP load it,
+  so a run written by 2 FSDP processes continues in one process, and one written in one process on 2.
+
+`workbench_checkpoint.json` records the layout and world size that wrote the checkpoint, and the loop's
+state and the schedule as JSON; `load` restores the copy that `resume.choose` picked (which decides whether a
+checkpoint may continue a run, and how).
+
+Nothing in a checkpoint is unpickled: Accelerate loads its own files with `weights_only=True`, but the objects
+registered with `register_for_checkpointing` come back through a full unpickle, which runs whatever code the
+file names. The workbench keeps its own state in JSON instead, and never resumes from a checkpoint that holds
+such pickles (earlier versions wrote them; one planted in a workspace the UI serves would run there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import reprlib
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors.torch import load_file, save_file
+
+from workbench.base.errors import WorkbenchError, reported_as_write_error
+from workbench.distributed.accelerator import unwrap
+from workbench.rundir.runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
+from workbench.spec.strategies import Layout
+
+if TYPE_CHECKING:
+    from workbench.training.resume import CheckpointChoice
+
+META = "workbench_checkpoint.json"
+PORTABLE_TENSORS, PORTABLE_META = "portable.safetensors", "portable.json"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
+_SHORT = reprlib.Repr()  # a value quoted in a message stays short, however big it is
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 2, 4, 4
+
+
+def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, batch: tuple[int, int],
+         keep_last: int) -> None:
+    """The full training state, staged under a temporary name and renamed into place when complete.
+    batch: (micro_batch_size, grad_accum) of this run."""
+    micro_batch, grad_accum = batch
+    staging = run.staging_checkpoint(progress.step)
+    target = run.checkpoint(progress.step)  # what a failed write names (a full disk: one line, not a traceback)
+    try:
+        with reported_as_write_error(target):
+            accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
+        portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
+        _pause_for_crash_tests(progress.step)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with reported_as_write_error(target):
+                if portable is not None:
+                    save_file(portable, str(staging / PORTABLE_TENSORS))
+                    write_json_atomic(staging / PORTABLE_META, {
+                        "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
+                        "adam_step": progress.step - progress.skipped_steps,
+                        "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
+                write_json_atomic(staging / META, {
+                    "step": progress.step, "layout": layout.to_json(), "world_size": accelerator.num_processes,
+                    "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
+                    "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
+                run.publish_checkpoint(progress.step, keep_last)
+    except Exception:  # a write that failed (a full disk, a file size limit): no half checkpoint stays behind
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+
+
+def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> str:
+    """Restore the checkpoint `resume.choose` picked into this run; returns how ("exact" or "portable")."""
+    if plan.how == "exact":
+        accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
+        _load_schedule(scheduler, plan.meta["scheduler"])
+        progress.load_state_dict(plan.meta["progress"])
+    else:
+        _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
+    return plan.how
+
+
+def read_meta(path: Path) -> dict:
+    """workbench_checkpoint.json, checked against what the workbench writes (CheckpointMeta): a checkpoint
+    without a readable, well-formed one is damaged, and the message names the field."""
+    meta = _read_json(path, META, CheckpointMeta)
+    if len(meta) > 1:  # the oldest hold their step alone; every later one says what wrote it
+        for key in ("layout", "world_size", "micro_batch_size"):
+            if key not in meta:
+                raise _damaged(path, META, key, "missing (every checkpoint that records more than its step has it)")
+    if meta["step"] != _folder_step(path, meta["step"]):  # the folder is where the resume starts counting from
+        raise _damaged(path, META, "step", f"{meta['step']}, in the folder of step {_folder_step(path, None)}")
+    if "progress" in meta:
+        _check_progress(path, META, meta["progress"], meta["step"])
+    return meta
+
+
+def _folder_step(path: Path, otherwise: int | None) -> int | None:
+    """The step the checkpoint's folder is named after (step-N); `otherwise` for a folder named otherwise."""
+    number = path.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(number) if number.isdigit() else otherwise
+
+
+def _check_progress(path: Path, name: str, progress: dict, step: int) -> None:
+    """What ties the loop's fields to each other and to the checkpoint's step."""
+    if progress["step"] != step:
+        raise _damaged(path, name, "progress.step", f"{progress['step']}, in the checkpoint of step {step}")
+    if progress.get("skipped_steps", 0) > step:
+        raise _damaged(path, name, "progress.skipped_steps",
+                       f"{progress['skipped_steps']}, more than its {step} steps")
+
+
+def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
+    """The JSON file `name` of checkpoint `path`, validated by `schema`; a WorkbenchError naming the file and the
+    field otherwise. Returned as read: the schema is strict, so what passed holds the types it names."""
+    try:
+        data = json.loads((path / name).read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError) as err:
+        raise _damaged(path, name, None, f"{type(err).__name__}: {err}") from None
+    try:
+        schema.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{_key(part)}" for part in first["loc"]).lstrip(".")
+        problem = first["msg"].removeprefix("Value error, ")
+        if "input" in first and first["type"] != "missing" and not isinstance(first["input"], dict):
+            problem += f", got {_SHORT.repr(first['input'])}"
+        raise _damaged(path, name, field or None, problem) from None
+    return data
+
+
+def _key(name: str) -> str:
+    """A key as the message shows it: quoted where it would break the line or run long (a key the file made up)."""
+    return name if name.isprintable() and len(name) <= 40 else _SHORT.repr(name)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON holds")  # json reads NaN and Infinity unless told not to
+
+
+def _damaged(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
+    where = f"{name}: {field}" if field else name
+    return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from "
+                          "the one before")
+
+
+# -- what the JSON files hold ----------------------------------------------------------------------
+
+
+class _Written(BaseModel):
+    """Exactly what the workbench writes: a key no version writes, or a count given as "3", 3.5 or true, is
+    damage, refused here in one line rather than as a traceback (or a wrong run) once the state loads."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class WindowState(_Written):
+    """The metrics window a checkpoint cut in two (Progress.window), summed over the processes: the objective's
+    sums (or, written before objectives kept sums, the loss and its targets), tokens and seconds."""
+
+    sums: list[Finite] | None = Field(None, min_length=1)
+    loss: Finite | None = None
+    targets: Finite | None = None
+    tokens: Count
+    seconds: Amount
+
+    @model_validator(mode="after")
+    def _a_loss(self):
+        if self.sums is None and (self.loss is None or self.targets is None):
+            raise ValueError("a window holds its sums (or its loss and targets)")
+        return self
+
+
+class ProgressState(_Written):
+    """Where the loop was (training/parts.py Progress; the fields an earlier version did not write default)."""
+
+    step: Count
+    epoch: Count = 0
+    batches_in_epoch: Count = 0
+    tokens: Count = 0
+    train_seconds: Amount = 0.0
+    flops: Amount = 0.0
+    skipped_steps: Count = 0
+    window: WindowState | None = None  # {}: none open
+
+    _nothing_open = field_validator("window", mode="before")(lambda value: None if value == {} else value)
+
+
+class SchedulerState(_Written):
+    """The schedule's state (torch's LambdaLR state_dict less its functions); its private keys vary with torch."""
+
+    model_config = ConfigDict(extra="allow")
+    base_lrs: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(min_length=1)
+    last_epoch: Count
+
+
+class LayoutState(_Written):
+    """strategies.Layout.to_json."""
+
+    strategy: Literal["single", "ddp", "fsdp", "deepspeed"]
+    stage: Annotated[int, Field(ge=0, le=3)] = 0
+    hybrid: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    name: str | None = None
+    shards: list[str] = []
+    offloads: list[str] = []
+
+
+class CheckpointMeta(_Written):
+    """workbench_checkpoint.json. The oldest checkpoints hold only their step (resume.choose refuses them by name);
+    every later one the layout, processes and micro-batch that wrote it; this version's the loop and schedule too."""
+
+    step: Count
+    layout: LayoutState | None = None
+    world_size: Positive | None = None
+    micro_batch_size: Positive | None = None
+    grad_accum: Positive | None = None
+    portable: bool = False
+    progress: ProgressState | None = None
+    scheduler: SchedulerState | None = None
+
+
+class PortableMeta(_Written):
+    """portable.json: the loop and schedule, AdamW's step count and the samples read of the epoch."""
+
+    progress: ProgressState
+    scheduler: SchedulerState
+    adam_step: Amount
+    samples_in_epoch: Count
+
+
+def pickled_files(path: Path) -> list[str]:
+    """Objects Accelerate would load from `path` through a full unpickle (earlier versions wrote them)."""
+    return sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
+
+
+def _layout_of(plan: CheckpointChoice) -> Layout:
+    return Layout.from_json(plan.meta["layout"])
+
+
+def read_portable(path: Path, model) -> dict:
+    """portable.json, after checking that it and portable.safetensors hold every trainable weight's tensors in
+    this model's shapes."""
+    from safetensors import safe_open
+
+    damaged = f"--resume: checkpoint {path} is damaged"
+    portable = _read_json(path, PORTABLE_META, PortableMeta)
+    step = _folder_step(path, portable["progress"]["step"])
+    _check_progress(path, PORTABLE_META, portable["progress"], step)
+    if portable["adam_step"] > step:  # one AdamW step for each step that was not skipped
+        raise _damaged(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
+    try:
+        with safe_open(str(path / PORTABLE_TENSORS), framework="pt") as tensors:
+            shapes = {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}
+    except Exception as err:  # noqa: BLE001  any unreadable part: one message
+        raise WorkbenchError(f"{damaged} ({PORTABLE_TENSORS}: {type(err).__name__}: {err}); "
+                             "delete it to resume from the one before") from None
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        for kind in ("weight", *MOMENTS):
+            if shapes.get(f"{kind}/{name}") != tuple(param.shape):
+                raise WorkbenchError(f"{damaged}: {PORTABLE_TENSORS} has no {kind} of shape {tuple(param.shape)} "
+                                     f"for {name} (found {shapes.get(f'{kind}/{name}')}); delete it to resume from "
+                                     "the one before, or resume with the adapter settings that wrote it")
+    return portable
+
+
+# -- the portable copy ----------------------------------------------------------------------------
+
+
+def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str, torch.Tensor] | None:
+    """Whole trainable weights and AdamW moments by parameter name, on the main process (None: not kept).
+
+    Kept for adapters (small at any scale); a full fine-tuning's whole optimizer state is not gathered."""
+    unwrapped = unwrap(accelerator, model)
+    named = [(name, p) for name, p in unwrapped.named_parameters() if p.requires_grad]
+    if not named or not any(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters() if not p.requires_grad):
+        return None  # full fine-tuning: nothing frozen (ZeRO-3 keeps a parameter's size in ds_numel)
+    if not layout.gathers_through_deepspeed and not isinstance(_torch_optimizer(optimizer), torch.optim.AdamW):
+        return None  # a bitsandbytes optimizer keeps quantized states of its own (DeepSpeed runs AdamW only)
+    tensors: dict[str, torch.Tensor] = {}
+    if layout.gathers_through_deepspeed:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        for name, param in named:  # collectives: every rank, same order
+            tensors[f"weight/{name}"] = safe_get_full_fp32_param(param).detach().float().cpu()
+            for key in MOMENTS:
+                tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
+        return tensors if accelerator.is_main_process else None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    if _sharded(unwrapped):  # FSDP2: the full tensors, gathered (collectives: every rank)
+        weights = get_model_state_dict(unwrapped, options=options)
+        moments = get_optimizer_state_dict(unwrapped, _torch_optimizer(optimizer), options=options)["state"]
+    else:  # whole on every rank; 8-bit layers' extra state keys (SCB) would trip torch's state-dict walk
+        state = _torch_optimizer(optimizer).state
+        weights = dict(named)
+        moments = {name: state[p] for name, p in named if state.get(p)}
+    if not accelerator.is_main_process:
+        return None
+    trainable = {name for name, _ in named}
+    for name, value in weights.items():
+        if name in trainable:  # not the quantization state that 4-bit layers add to their state dict
+            tensors[f"weight/{name}"] = value.detach().float().cpu().contiguous()
+    for name, state in moments.items():
+        for key in MOMENTS:
+            tensors[f"{key}/{name}"] = state[key].detach().float().cpu().contiguous()
+    return tensors
+
+
+def _sharded(model) -> bool:
+    """Whether FSDP2 shards the model's parameters (DTensors) in this process."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    meta = plan.portable
+    tensors = load_file(str(plan.path / PORTABLE_TENSORS))
+    unwrapped = unwrap(accelerator, model)
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
+    trainable = [name for name, p in unwrapped.named_parameters() if p.requires_grad]
+    set_model_state_dict(unwrapped, {name: tensors[f"weight/{name}"] for name in trainable}, options=options)
+    torch_optimizer = _torch_optimizer(optimizer)
+    # this optimizer's own full state (created if it has none yet), then the saved moments put in it
+    state_dict = get_optimizer_state_dict(unwrapped, torch_optimizer, options=options)
+    step = float(meta["adam_step"])
+    for name in trainable:
+        state_dict["state"][name] = {"step": torch.tensor(step), **{k: tensors[f"{k}/{name}"] for k in MOMENTS}}
+    set_optimizer_state_dict(unwrapped, torch_optimizer, state_dict, options=options)
+    _load_schedule(scheduler, meta["scheduler"])
+    for group, lr in zip(torch_optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the rate of the saved step (the optimizer's own groups were created fresh)
+    progress.load_state_dict(meta["progress"])
+    # the loop's place in the epoch, counted in samples: the same samples come next at any process count (an
+    # epoch that ended on a short step is skipped whole, and the loop starts the next)
+    per_step = micro_batch * accelerator.num_processes
+    progress.batches_in_epoch = math.ceil(int(meta["samples_in_epoch"]) / per_step)
+
+
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+
+
+def _json_scheduler(scheduler) -> dict:
+    state = scheduler.state_dict()
+    return {k: v for k, v in state.items() if k != "lr_lambdas"}
+
+
+def _load_schedule(scheduler, state: dict) -> None:
+    scheduler.load_state_dict({"lr_lambdas": [None] * len(scheduler.lr_lambdas), **state})
+
+
+def _pause_for_crash_tests(step: int) -> None:
+    """LORA_WORKBENCH_CHECKPOINT_PAUSE=STEP:SECONDS holds checkpoint STEP half-written for that long, so a
+    test can kill the process inside the write window (tests/test_crash.py)."""
+    wanted, _, seconds = os.environ.get("LORA_WORKBENCH_CHECKPOINT_PAUSE", "").partition(":")
+    if wanted == str(step):
+        time.sleep(float(seconds or 0))
