@@ -111,3 +111,28 @@ def test_no_module_imports_from_a_floor_above_its_own():
 def test_the_floor_check_finds_a_climb():
     graph = {"workbench.spec.recipe": {"workbench.training.session"}, "workbench.training.session": {"workbench.spec.recipe"}}
     assert climbs(graph) == ["workbench.spec.recipe -> workbench.training.session"]
+
+
+def objective_names_outside_the_registry() -> list[str]:
+    """Places outside the objective registry (and the losses keyed by it) that compare with an objective's name or
+    key a table by one: each is a question the registry should answer."""
+    from workbench.spec.objectives import OBJECTIVE_NAMES
+
+    allowed = {PACKAGE / "spec" / "objectives.py", PACKAGE / "training" / "objectives.py"}
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "ui").rglob("*.py")]:
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Compare):
+                names = [n for part in node.comparators + [node.left] for n in ast.walk(part)]
+            elif isinstance(node, ast.Dict):
+                names = node.keys
+            if any(isinstance(n, ast.Constant) and n.value in OBJECTIVE_NAMES for n in names if n is not None):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_objectives_are_asked_of_their_registry_not_compared_by_name():
+    assert objective_names_outside_the_registry() == []

@@ -14,6 +14,7 @@ import pytest
 from workbench import DataError, Recipe, RecipeError
 from workbench.data.pipeline import IGNORE, Collator, prepare_data, tokenize_row
 from workbench.spec.formats import detect, format_of
+from workbench.spec.objectives import objectives_reading
 from workbench.training.objectives import only_samples, sample_index
 from workbench.spec.recipe import DataSection
 from workbench.rundir.runs import RunDir
@@ -36,7 +37,7 @@ def test_unpaired_rows_are_detected_and_not_taken_for_completions():
     assert detect(["prompt", "completion", "label"], "chat") == "unpaired"
     assert detect(["prompt", "completion"], "chat") == "completion"
     assert detect(["messages", "completion", "label"], "alpaca") == "unpaired"
-    assert format_of("unpaired").objectives == ("kto",) and format_of("unpaired").sequences_per_example == 2
+    assert objectives_reading(format_of("unpaired").rows) == ("kto",) and format_of("unpaired").sequences_per_example == 2
 
 
 LAYOUTS = {

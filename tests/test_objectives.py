@@ -663,3 +663,16 @@ def test_a_shared_prompt_gives_the_same_log_probabilities_and_gradients(setup):
             grads_close(shared[2], whole[2], f"{what}: gradients with a shared prompt")
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_every_registered_objective_has_its_loss_and_every_loss_its_entry():
+    from types import SimpleNamespace
+
+    from workbench.spec.objectives import OBJECTIVES
+    from workbench.spec.recipe import TrainingSection
+    from workbench.training.objectives import LOSSES, build
+
+    assert list(LOSSES) == list(OBJECTIVES)
+    for name in OBJECTIVES:
+        recipe = SimpleNamespace(training=TrainingSection(objective=name))
+        assert type(build(recipe, loss_sum_of=None, pad_token_id=0)).__name__.lower() == name

@@ -22,6 +22,7 @@ import pandas as pd
 from workbench.base import charts
 from workbench.base.errors import RecipeError, WorkbenchError, printable
 from workbench.rundir.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
+from workbench.spec.objectives import OBJECTIVES
 
 from . import form
 from .jobs import objective_of, registry_for, workbench_command
@@ -105,8 +106,9 @@ class Handlers:
             recipe = self.recipe(data)
         except WorkbenchError as err:
             return status_html("error", str(err)), error_sections(str(err))
-        objective = recipe.training.objective
-        trains = "" if objective == "sft" else f" · {objective} ({_objective_knob(recipe)})"
+        objective = recipe.training.objective_spec
+        settings = objective.settings_text(recipe.training.model_dump())
+        trains = "" if objective.next_token_loss else f" · {objective.name}" + (f" ({settings})" if settings else "")
         return status_html("ok", f"valid recipe · {recipe.name} · {recipe.adapter.method} on {recipe.model.path}"
                                  f"{trains}"), {}
 
@@ -303,7 +305,7 @@ class Handlers:
                     None if seen != "none" else form.SKIP, "none")
         signature = f"{name}:{status.state}:{len(status.metrics)}"
         figures = (form.SKIP, form.SKIP, form.SKIP)
-        preference = status.objective != "sft" or charts.is_preference(status.metrics)
+        preference = OBJECTIVES[status.objective].logs_rewards or charts.is_preference(status.metrics)
         if signature != seen:
             series = {name: status.metrics}
             figures = (charts.curves(series, "loss", "Loss", "loss", eval_key="eval_loss"),
@@ -496,7 +498,7 @@ def _last(rows: list[dict], key: str) -> float | None:
 def logged_preference_figures(run) -> dict:
     """A preference run's last logged reward margin and accuracy (train and eval), for the compare columns that
     run.json's summary does not hold yet (a run still training) or holds in an unreadable form. {} for SFT."""
-    if objective_of(run.summary, run.recipe) == "sft" and not charts.is_preference(run.metrics):
+    if not OBJECTIVES[objective_of(run.summary, run.recipe)].logs_rewards and not charts.is_preference(run.metrics):
         return {}
     return {f"{key}_final": _last(run.metrics, key)
             for key in ("reward_margin", "reward_accuracy", "eval_reward_margin", "eval_reward_accuracy")}
@@ -511,16 +513,6 @@ def _preference_facts(rows: list[dict]) -> list[str]:
     if accuracy is not None:
         facts.append(f"reward accuracy {100 * accuracy:.0f}%")
     return facts
-
-
-def _objective_knob(recipe) -> str:
-    """The strength setting of a preference objective, as the status line shows it."""
-    training = recipe.training
-    return {"dpo": f"beta {training.dpo_beta:g}", "orpo": f"lambda {training.orpo_lambda:g}",
-            "kto": f"beta {training.kto_beta:g}, weights {training.kto_desirable_weight:g}/"
-                   f"{training.kto_undesirable_weight:g}",
-            "reward": "score head" + (f", centred {training.reward_center_coefficient:g}"
-                                      if training.reward_center_coefficient else "")}[training.objective]
 
 
 def _estimate_lines(data: dict, capacity: float | None) -> list[str]:

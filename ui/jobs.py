@@ -19,13 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import workbench
 from workbench.base.metrics import read_metrics
-from workbench.spec.recipe import TrainingSection
+from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 from workbench.rundir.runs import write_json_atomic
 
 from workbench.base.errors import WorkbenchError, printable
@@ -68,7 +67,7 @@ class JobStatus:
     metrics: list[dict]
     run_dir: Path
     command: list[str]
-    objective: str = "sft"  # training.objective: sft, or dpo / orpo / kto (a preference run)
+    objective: str = DEFAULT_OBJECTIVE  # training.objective (workbench/spec/objectives.py)
 
 
 STOP_GRACE_S = 30.0  # what a run gets to checkpoint after Stop before a third Stop may SIGKILL it
@@ -344,14 +343,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-OBJECTIVES = typing.get_args(TrainingSection.model_fields["objective"].annotation)  # sft, dpo, orpo, kto
-
-
 def objective_of(summary: dict, recipe: dict) -> str:
     """What a run trains (training.objective): its summary says so once it has finished, its recipe from the
-    start; "sft" when neither does (the schema's default, and every run from before preference training)."""
+    start; the default when neither does (the schema's default, and every run from before preference training)."""
     summary = summary if isinstance(summary, dict) else {}
     for value in (summary.get("objective"), _section(recipe, "training").get("objective")):
         if value in OBJECTIVES:
             return value
-    return "sft"
+    return DEFAULT_OBJECTIVE

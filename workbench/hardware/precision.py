@@ -168,7 +168,7 @@ def vocabulary_dtype_of(recipe: "Recipe", stored_dtype: str | None) -> str:
     if (recipe.adapter.method == "qlora" and quantization is not None and not quantization.upcast_frozen
             and quantization.quant_storage == "uint8" and frozen == "float32"
             and stored_dtype in ("bfloat16", "float16") and recipe.training.fast_paths
-            and recipe.training.objective == "sft"):
+            and recipe.training.objective_spec.next_token_loss):
         return stored_dtype
     return frozen
 

@@ -27,6 +27,7 @@ from workbench.data.pipeline import IGNORE, Collator, Rows, held_out_indices, lo
 from workbench.model.inference import load_for_inference, stop_token_ids
 from workbench.rundir.runs import RunDir, load_run
 from workbench.spec.formats import detect, format_of
+from workbench.spec.objectives import objective_of
 from workbench.spec.recipe import DataSection
 
 EXAMPLES_SAVED = 20  # answers kept in run.json for people to read (the scores use every row)
@@ -64,7 +65,8 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
     cfg = parts[0][1]
 
     training = run.recipe.get("training", {})
-    reward_model = training.get("objective") == "reward"
+    objective = objective_of(training.get("objective"))
+    reward_model = objective.scores_sequences
     if reward_model and base:
         raise RecipeError("--base: a reward model's base has no trained score head to score with; evaluate the "
                           "run without --base")
@@ -74,12 +76,13 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, base: bool = F
         if reward_model:  # how often it scores the chosen answer higher
             result = evaluate_rewards(model, tokenizer, parts, limit, batch_size)
         else:
-            beta_field = {"dpo": "dpo_beta", "kto": "kto_beta"}.get(training.get("objective"))
+            beta_field = objective.reward_scale
             beta = training.get(beta_field, 0.1) if beta_field else 0.1
             score_rows = evaluate_unpaired if fmt.unpaired else evaluate_preferences
             result = score_rows(model, tokenizer, parts, run.path, beta, limit, batch_size)
             result["beta_source"] = f"training.{beta_field}" if beta_field else "default"
-        result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2))
+        result.update(data=path, run_steps=run.summary.get("steps"), wall_s=round(time.perf_counter() - started, 2),
+                      objective=objective.name)
         if save:
             RunDir(run.path).update_json(evaluation=result)
         return result
@@ -320,7 +323,7 @@ def evaluate_rewards(model, tokenizer, parts: list[tuple[Rows, DataSection]], li
              "rewards_chosen": round(float(chosen.mean()), 4), "rewards_rejected": round(float(rejected.mean()), 4),
              "pairs": len(chosen)}
     return {"format": parts[0][1].format, "rows": len(pairs), "rows_without_targets": without_targets,
-            "limit": limit, "device": str(device), "objective": "reward",
+            "limit": limit, "device": str(device),
             "evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "tuned": tuned, "base": None, "examples": []}
 
@@ -423,7 +426,7 @@ def format_evaluation(result: dict) -> str:
         lines = [f"evaluated {result['rows']} rows of {result['data']} ({result['format']}), "
                  f"greedy answers of up to {result['max_new_tokens']} tokens, on {result['device']}"]
         keys = ("eval_loss", "perplexity", "exact_match", "contains")
-    elif result.get("objective") == "reward":
+    elif objective_of(result.get("objective")).scores_sequences:
         lines = [f"evaluated {result['rows']} pairs of {result['data']} ({result['format']}) with the reward model, "
                  f"on {result['device']}"]
         keys = ("reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected")

@@ -14,19 +14,12 @@ from pathlib import Path
 
 from workbench.rundir.run_summary import RunSummary
 from workbench.spec.chat_templates import TEMPLATES
+from workbench.spec.objectives import Objective, objective_of
 
 
 KINDS = ("adapter", "merged")
 HUB_DATA_PREFIX = "hub:"  # how data.py fingerprints a hub data set instead of hashing a file
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-OBJECTIVES = {"sft": "supervised fine-tuning: next-token loss on the answers",
-              "dpo": "DPO: prefer the chosen answer over the rejected one, against the base model (adapter off) "
-                     "as reference",
-              "orpo": "ORPO: next-token loss on the chosen answer plus an odds-ratio preference term, no reference",
-              "kto": "KTO: raise desirable answers and lower undesirable ones (unpaired rows), against the base "
-                     "model (adapter off)",
-              "reward": "a reward model: a scalar score head, read at the answer's last token, trained so that the "
-                        "chosen answer scores above the rejected one (Bradley-Terry)"}
 PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 EVALUATE_FIGURES = {"eval_loss": "loss", "perplexity": "perplexity", "exact_match": "exact_match",
                     "contains": "contains", "preference_accuracy": "accuracy", "logps_desirable": "logps_desirable",
@@ -171,7 +164,7 @@ def card_tags(recipe: dict, summary: dict) -> list[str]:
         tags.append("rslora")
     if method != "full":
         tags.append("peft")
-    return [*tags, _objective(recipe, summary), "lora-workbench"]
+    return [*tags, _objective(recipe, summary).name, "lora-workbench"]
 
 
 def hub_model_id(path: str) -> str | None:
@@ -194,7 +187,7 @@ def _title(run, kind: str, folder: Path) -> str:
     else:
         what = f"{_code(base)} with a {_method_name(recipe)} adapter merged into its weights"
     dtype = _folder_dtype(folder) if kind == "merged" else None
-    lines = [f"# {name}", "", f"{what}, trained with lora-workbench (objective {_code(_objective(recipe, run.summary))})."]
+    lines = [f"# {name}", "", f"{what}, trained with lora-workbench (objective {_code(_objective(recipe, run.summary).name)})."]
     if dtype:
         lines.append(f"Weights saved in {dtype}.")
     lines += ["", f"- **Base model:** {_code(base)}{_base_note(base)}"]
@@ -237,18 +230,9 @@ def _method_section(recipe: dict, summary: dict) -> str:
 
 
 def _objective_section(recipe: dict, summary: dict) -> str:
-    objective, training = _objective(recipe, summary), _section(recipe, "training")
-    text = f"## Objective\n\n{_code(objective)}: {OBJECTIVES.get(objective, objective)}."
-    if objective == "dpo":
-        text += f" beta = {training.get('dpo_beta')}."
-    elif objective == "orpo":
-        text += f" lambda = {training.get('orpo_lambda')}."
-    elif objective == "kto":
-        text += (f" beta = {training.get('kto_beta')}, desirable weight {training.get('kto_desirable_weight')}, "
-                 f"undesirable weight {training.get('kto_undesirable_weight')}.")
-    elif objective == "reward" and training.get("reward_center_coefficient"):
-        text += f" Rewards centred with coefficient {training.get('reward_center_coefficient')}."
-    return text
+    objective = _objective(recipe, summary)
+    settings = objective.settings_text(_section(recipe, "training"))
+    return f"## Objective\n\n{_code(objective.name)}: {objective.summary}." + (f" {settings}." if settings else "")
 
 
 def _data_section(recipe: dict, summary: dict) -> str:
@@ -337,7 +321,8 @@ def _evaluation_section(evaluation: dict) -> str | None:
     if not figures:
         return None
     rows = [(k, base.get(k), tuned.get(k)) for k in figures]
-    what = "pairs" if "preference_accuracy" in figures or evaluation.get("objective") == "reward" else "rows"
+    what = "pairs" if "preference_accuracy" in figures or objective_of(evaluation.get("objective")).scores_sequences \
+        else "rows"
     intro = (f"`workbench evaluate` on {evaluation.get('rows')} {what} of {_code(evaluation.get('data'))}"
              f" (after step {evaluation.get('run_steps')}).")
     return f"## Evaluation\n\n{intro}\n\n" + _table(("figure", "base", "tuned"), rows)
@@ -353,7 +338,7 @@ def _recipe_section(run_path: Path) -> str | None:
 
 def _loading_section(recipe: dict, kind: str, repo_id: str | None) -> str:
     where = _literal(repo_id or "path/to/this/folder")
-    if _section(recipe, "training").get("objective") == "reward":
+    if not _objective(recipe, {}).generates:
         return _reward_loading_section(recipe, kind, where)
     if kind == "merged" or _is_full(recipe):
         code = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -407,8 +392,8 @@ def _is_full(recipe: dict) -> bool:
     return _section(recipe, "adapter").get("method") == "full"
 
 
-def _objective(recipe: dict, summary: dict) -> str:
-    return summary.get("objective") or _section(recipe, "training").get("objective") or "sft"
+def _objective(recipe: dict, summary: dict) -> Objective:
+    return objective_of(summary.get("objective") or _section(recipe, "training").get("objective"))
 
 
 def _method_name(recipe: dict) -> str:
@@ -536,7 +521,7 @@ def _result(dataset: str, name: str, figures: dict, source: str, task: dict) -> 
 
 def _pipeline(recipe: dict) -> dict:
     """The hub's task: a reward model classifies (scores) text, every other run generates it."""
-    if _section(recipe, "training").get("objective") == "reward":
+    if not _objective(recipe, {}).generates:
         return {"type": "text-classification", "name": "Text Classification"}
     return {"type": "text-generation", "name": "Text Generation"}
 

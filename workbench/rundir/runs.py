@@ -21,6 +21,7 @@ from workbench.base.errors import WorkbenchError
 from workbench.base.metrics import finite_json, read_metrics
 from workbench.rundir.run_summary import HEADLINE, RunSummary
 from workbench.spec.adapter_init import EVA_FILE
+from workbench.spec.objectives import objective_of
 
 CHECKPOINT_PREFIX = "step-"
 # What a training run writes into its directory besides run.json (its trackers' folders included), and the
@@ -519,7 +520,7 @@ def compare_rows(runs: list[Run]) -> list[dict]:
         rows.append({
             "run": run.name, "status": s.status,
             "method": _section(run.recipe, "adapter").get("method"), "r": _section(run.recipe, "adapter").get("r"),
-            "objective": s.objective or _section(run.recipe, "training").get("objective", "sft"),
+            "objective": objective_of(s.objective or _section(run.recipe, "training").get("objective")).name,
             "lr": _section(run.recipe, "training").get("lr"),
             "precision": _section(run.recipe, "training").get("mixed_precision"), "strategy": s.strategy,
             "world_size": s.world_size, "steps": s.steps, "tokens_per_s": s.tokens_per_s,

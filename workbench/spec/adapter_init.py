@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workbench.base.errors import WorkbenchError
+from workbench.spec.objectives import without_reference
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +93,7 @@ def recipe_problem(recipe) -> str | None:
         return (f"adapter.init: {adapter.init} with objective {objective} is not supported: {objective.upper()}'s "
                 "reference is the model with the adapter switched off, which after this init is the residual base, "
                 "not the published model; use init default/gaussian"
-                + (", or objective orpo (no reference model)" if objective == "dpo" else ""))
+                + without_reference(recipe.training.objective_spec))
     if init.changes_base and recipe.quantization is not None:
         return (f"adapter.init: {adapter.init} rewrites the base weights as a residual, which a quantized base "
                 "cannot hold; use init default or gaussian with QLoRA")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from workbench.base.errors import RecipeError
 from workbench.spec import adapter_init
 from workbench.spec.formats import FORMATS, format_of
+from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, objectives_reading, without_reference
 from workbench.spec.strategies import layout_of, layout_problem
 
 if TYPE_CHECKING:
@@ -41,26 +42,26 @@ def check_recipe(recipe: "Recipe") -> None:
     data_format = format_of(recipe.data.format)
     for k, source in enumerate(recipe.data.sources):
         # sources may mix instruction formats, never rows of another kind: one objective trains every row
-        if format_of(source.format).objectives != data_format.objectives:
+        if format_of(source.format).rows != data_format.rows:
             raise ValueError(f"data.train[{k}].format: {source.format} rows cannot mix with data.format "
                              f"{recipe.data.format} (they train with different objectives)")
-    if training.objective not in data_format.objectives:
-        readers = [f.name for f in FORMATS.values() if training.objective in f.objectives]
-        if data_format.objectives == ("sft",):  # the objective was chosen: the data is what to change next
-            raise ValueError(f"data.format: training.objective {training.objective} learns from "
+    objective = training.objective_spec
+    if objective.rows != data_format.rows:
+        readers = [f.name for f in FORMATS.values() if f.rows == objective.rows]
+        if data_format.rows == OBJECTIVES[DEFAULT_OBJECTIVE].rows:  # the objective was chosen: change the data
+            raise ValueError(f"data.format: training.objective {objective.name} learns from "
                              f"{' or '.join(readers)} rows; set data.format: {readers[0]} (got {recipe.data.format})")
-        raise ValueError(f"training.objective: {training.objective} does not learn from data.format "
+        raise ValueError(f"training.objective: {objective.name} does not learn from data.format "
                          f"{recipe.data.format} rows ({recipe.data.format} trains objective "
-                         f"{' or '.join(data_format.objectives)}); give {' or '.join(readers)} rows or choose "
-                         "another objective")
-    if data_format.objectives != ("sft",) and recipe.data.train_on == "all":
+                         f"{' or '.join(objectives_reading(data_format.rows))}); give {' or '.join(readers)} rows "
+                         "or choose another objective")
+    if not objective.next_token_loss and recipe.data.train_on == "all":
         raise ValueError(f"data.train_on: {recipe.data.format} rows are scored on their answers; use train_on: "
                          "completions")
     if training.has_reference and method == "full":
         raise ValueError(f"training.objective: {training.objective} compares against the base model with the "
                          "adapter switched off, and full fine-tuning has no adapter to switch off; use "
-                         "adapter.method lora/qlora/dora"
-                         + (", or objective orpo (no reference model)" if training.objective == "dpo" else ""))
+                         "adapter.method lora/qlora/dora" + without_reference(objective))
     if training.scores_sequences and method == "full":
         raise ValueError("training.objective: reward trains an adapter and the score head beside it, saved as a "
                          "sequence-classification adapter; use adapter.method lora/qlora/dora")

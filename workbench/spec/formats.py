@@ -123,7 +123,6 @@ class DataFormat:
     example: dict
     check: Callable[[dict, str], None]  # raise DataError naming `where`
     needs_chat_template: bool = False
-    objectives: tuple[str, ...] = ("sft",)  # the training.objective values that learn from these rows
     preference: bool = False  # rows hold a prompt and two answers (chosen, rejected)
     unpaired: bool = False  # rows hold a prompt, one answer and a label (desirable or not)
     # instruction formats: segments(row, tokenizer, system_prompt, where) and reference(row, system_prompt, where)
@@ -134,6 +133,11 @@ class DataFormat:
     pair: Callable | None = None
     # the unpaired format: unpaired_row(row, where, system_prompt) -> Unpaired
     unpaired_row: Callable | None = None
+
+    @property
+    def rows(self) -> str:
+        """The kind of rows, which decides the objectives that learn from them (workbench/spec/objectives.py)."""
+        return "pairs" if self.preference else "unpaired" if self.unpaired else "instructions"
 
     @property
     def sequences_per_example(self) -> int:
@@ -385,15 +389,15 @@ FORMATS: dict[str, DataFormat] = {f.name: f for f in (
         check=_text_check, segments=_text_segments, reference=lambda row, system, where: (None, None)),
     DataFormat(
         "preference", ("chosen", "rejected"), ("prompt", "messages"),
-        "a prompt (text or messages) and two answers, chosen and rejected (for training.objective dpo or orpo)",
+        "a prompt (text or messages) and two answers, chosen and rejected (for training.objective dpo, orpo or reward)",
         {"prompt": "What is 2 plus 3?", "chosen": "5.", "rejected": "6."},
-        check=_preference_check, objectives=("dpo", "orpo", "reward"), preference=True, pair=_preference_pair),
+        check=_preference_check, preference=True, pair=_preference_pair),
     DataFormat(
         "unpaired", ("completion", "label"), ("prompt", "messages"),
         "a prompt (text or messages), one answer and a label: true where the answer is desirable "
         "(for training.objective kto)",
         {"prompt": "What is 2 plus 3?", "completion": "5.", "label": True},
-        check=lambda row, where: unpaired_of(row, where), objectives=("kto",), unpaired=True,
+        check=lambda row, where: unpaired_of(row, where), unpaired=True,
         unpaired_row=unpaired_of),
 )}
 FORMAT_NAMES = tuple(FORMATS)

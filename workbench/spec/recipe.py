@@ -23,6 +23,7 @@ from workbench.base.units import parse_bytes
 from workbench.spec.adapter_init import INITS, LOFTQ_REFUSED
 from workbench.spec.chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
 from workbench.spec.formats import FORMAT_NAMES, FORMATS
+from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, Objective
 
 # What users type for each value (YAML reads `no` as false): mapped onto the schema's spelling.
 MIXED_PRECISION_SPELLINGS = {
@@ -44,6 +45,8 @@ def spelled(value, spellings: dict[str, str]):
     return value
 
 
+FORMATS_READ = {rows: [name for name, f in FORMATS.items() if f.rows == rows]
+                for rows in {f.rows for f in FORMATS.values()}}
 TARGET_PRESETS = ("all-linear", "attention", "mlp")
 _FROM_DICT = contextvars.ContextVar("recipe_from_dict", default=False)
 _SHORT = reprlib.Repr()  # for values quoted in messages: short, however big the value
@@ -282,14 +285,9 @@ class TrainingSection(Section):
         True, description="the loop's faster paths, same results: per-sample attention over packed rows (CPU), "
                           "LM head over target positions a chunk at a time, no float32 copy of LoRA inputs under "
                           "autocast, dropout drawing only where it drops (CPU). false: the libraries' own paths.")
-    objective: Literal["sft", "dpo", "orpo", "kto", "reward"] = Field(
-        "sft", description="what the loss optimizes (workbench/training/objectives.py): sft (next-token loss on the answers), "
-                           "dpo (prefer the chosen answer over the rejected one, against the base model with the "
-                           "adapter off), orpo (next-token loss on the chosen answer plus an odds-ratio "
-                           "preference term, no reference), kto (raise desirable answers and lower undesirable "
-                           "ones against the base model, from unpaired rows) or reward (a reward model: a scalar "
-                           "head scoring the chosen answer above the rejected one); dpo, orpo and reward read "
-                           "data.format: preference, kto data.format: unpaired.")
+    objective: Literal[OBJECTIVE_NAMES] = Field(
+        DEFAULT_OBJECTIVE, description="what the loss optimizes (workbench/spec/objectives.py): " + "; ".join(
+            f"{o.name} ({o.summary}; data.format: {' or '.join(FORMATS_READ[o.rows])})" for o in OBJECTIVES.values()))
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the tuned model is held to the "
                                                    "reference (larger: smaller steps away from it).")
     orpo_lambda: float = Field(0.1, gt=0, description="ORPO's lambda: the weight of the odds-ratio term beside "
@@ -314,21 +312,26 @@ class TrainingSection(Section):
         lambda value: spelled(value, MIXED_PRECISION_SPELLINGS))
 
     @property
+    def objective_spec(self) -> Objective:
+        """The objective's entry in the registry: its rows, reference, extra passes and what it leaves behind."""
+        return OBJECTIVES[self.objective]
+
+    @property
     def has_reference(self) -> bool:
         """Whether the objective scores answers against a reference: the base model, adapter off (dpo, kto)."""
-        return self.objective in ("dpo", "kto")
+        return self.objective_spec.reference
 
     @property
     def extra_forwards(self) -> int:
         """Forward passes without gradients beside the one with, per micro-batch (workbench/training/objectives.py): the
         reference over every sample (dpo, kto), the policy over KTO's KL samples. The FLOP counts read it."""
-        return {"dpo": 1, "kto": 2}.get(self.objective, 0)
+        return self.objective_spec.extra_forwards
 
     @property
     def scores_sequences(self) -> bool:
         """Whether the model is a sequence scorer (a reward model: the base with a scalar `score` head in place of
         its LM head, read at each answer's last token) rather than a language model."""
-        return self.objective == "reward"
+        return self.objective_spec.scores_sequences
 
 
 class FsdpSection(Section):

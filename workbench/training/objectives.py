@@ -247,15 +247,19 @@ def build(recipe, loss_sum_of, adapter_off=None, pad_token_id: int | None = None
     """The recipe's objective. adapter_off: a context manager that switches the adapter off (the reference of
     DPO and KTO); pad_token_id: the token a reward model never reads its score at."""
     training = recipe.training
-    if training.objective == "dpo":
-        return DPO(training.dpo_beta, adapter_off)
-    if training.objective == "orpo":
-        return ORPO(training.orpo_lambda)
-    if training.objective == "kto":
-        return KTO(training.kto_beta, training.kto_desirable_weight, training.kto_undesirable_weight, adapter_off)
-    if training.objective == "reward":
-        return Reward(training.reward_center_coefficient, pad_token_id)
-    return SFT(loss_sum_of)
+    return LOSSES[training.objective](training, loss_sum_of=loss_sum_of, adapter_off=adapter_off,
+                                      pad_token_id=pad_token_id)
+
+
+# The loss of each entry of workbench/spec/objectives.py's registry, built from the recipe's training section.
+LOSSES = {
+    "sft": lambda training, loss_sum_of, **_: SFT(loss_sum_of),
+    "dpo": lambda training, adapter_off, **_: DPO(training.dpo_beta, adapter_off),
+    "orpo": lambda training, **_: ORPO(training.orpo_lambda),
+    "kto": lambda training, adapter_off, **_: KTO(training.kto_beta, training.kto_desirable_weight,
+                                                  training.kto_undesirable_weight, adapter_off),
+    "reward": lambda training, pad_token_id, **_: Reward(training.reward_center_coefficient, pad_token_id),
+}
 
 
 def adapter_off_of(peft_model):
