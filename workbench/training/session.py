@@ -28,19 +28,15 @@ from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary,
                                                collective_failure, collective_timeout, configure_threads,
                                                host_transfer, local_parameter_elements, patience,
                                                release_accelerator_state, unwrap, verify_launch)
-from workbench.distributed.launcher import check_launcher_agrees
 from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from workbench.distributed.trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
-from workbench.estimator.layout_choice import resolve as resolve_layout
 from workbench.estimator.memory import prediction_for_run
 from workbench.hardware.catalogue import peak_flops
 from workbench.hardware.current import local_kind, node_count, world_size_from_env
-from workbench.hardware.precision import compute_dtype_of, resolve_recipe
-from workbench.model.attention import dense_mask_warning, flex_problem_for_run
-from workbench.model.attention import with_implementation as attention_for
+from workbench.hardware.precision import compute_dtype_of
 from workbench.model.fastpath import apply_fast_paths, compile_layers, lora_fast_paths
 from workbench.model.lm_loss import full_logits_loss_sum, lm_loss_sum
-from workbench.model.loading import attach_adapter, count_parameters, load_base_model, load_config, load_tokenizer
+from workbench.model.loading import attach_adapter, count_parameters, load_base_model
 from workbench.rundir.model_card import refresh_model_cards
 from workbench.rundir.run_summary import PEAK_MEMORY_MB, RunSummary
 from workbench.rundir.runs import RunDir, TrainResult, environment, process_owner, read_result
@@ -53,8 +49,9 @@ from workbench.training.parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, P
                                       _reports_after, _rounded, _sample_generations, _window_totals, _windows,
                                       _write_eval, build_optimizer, build_scheduler, ensure_trainable, evaluate,
                                       save_adapter, set_peak_lr)
-from workbench.training.preflight import check_disk_space, preflight
-from workbench.training.resume import ResumePlan, agree_on_resume, claim
+from workbench.training.preflight import check_disk_space
+from workbench.training.resolved import resolve_run
+from workbench.training.resume import agree_on_resume, claim
 
 
 def clear_stop_request(run: RunDir) -> None:
@@ -79,39 +76,29 @@ class TrainingSession:
     # -- setup: seconds, before any weights load ----------------------------------------------------------------
 
     def setup(self) -> None:
-        """The concrete recipe (precision, attention, layout), the preflight checks and the accelerator."""
-        recipe, run, s = self.recipe, self.run_dir, self.summary
+        """The resolved run (resume plan, precision, attention, layout), the preflight checks and the accelerator."""
+        run, s = self.run_dir, self.summary
         # before the precision probe times matmuls
-        s.threads, s.threads_reason = configure_threads(recipe.training.threads)
-        # a resumed run: what its recipe may change (and what `auto` meant), checked before anything loads
-        recipe, self.resuming = ResumePlan.start(recipe, run, self.resume, world_size_from_env())
-        # `auto` precision becomes what this device computes fastest; every part below reads the concrete recipe.
-        recipe, precision = resolve_recipe(recipe, local_kind())
-        # Seconds, before any weights load: files, output folder, disk space, tokenizer, context length.
-        self.tokenizer, self.model_config = load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)  # loaded once
-        self.requested_attn = recipe.model.attn
-        recipe, self.attention = attention_for(recipe, local_kind(),  # the kernel, and how packed rows stay apart
-                                               flex_problem=flex_problem_for_run(recipe, self.model_config,
-                                                                                 local_kind()))
-        warnings = [*precision.warnings, *filter(None, [dense_mask_warning(self.attention, local_kind())]),
-                    *preflight(recipe, self.tokenizer, self.model_config, self.resume)]
-        # one complete layout (stage, offload, sharding): `auto` becomes what the estimator chose, checked
-        self.requested = recipe.distributed.strategy
-        recipe, self.layout, why = resolve_layout(recipe, world_size_from_env(), node_count())
-        check_launcher_agrees(self.layout.strategy)
-        self.accelerator = accelerator = build_accelerator(recipe, str(run.path), self.layout)
-        verify_launch(accelerator, self.layout)
+        s.threads, s.threads_reason = configure_threads(self.recipe.training.threads)
+        self.resolved, self.tokenizer, self.model_config = resolve_run(
+            self.recipe, run, resume=self.resume, world_size=world_size_from_env(), nodes=node_count(),
+            device_kind=local_kind())
+        self.recipe = recipe = self.resolved.recipe  # from here on, the one recipe every stage reads
+        self.layout = layout = self.resolved.layout
+        self.accelerator = accelerator = build_accelerator(recipe, str(run.path), layout)
+        verify_launch(accelerator, layout)
         if self.auto_resume:
             agree_on_resume(accelerator, self.resume, run.path)
-        self.recipe, self.cfg, self.main = recipe, recipe.training, accelerator.is_main_process
-        s.strategy, s.strategy_reason, s.layout = self.layout.strategy, why, self.layout.to_json()
-        s.precision, s.attention, s.warnings = precision.to_json(), self.attention.to_json(), warnings
+        self.cfg, self.main = recipe.training, accelerator.is_main_process
+        s.strategy, s.strategy_reason, s.layout = layout.strategy, self.resolved.layout_reason, layout.to_json()
+        s.precision, s.attention = self.resolved.precision.to_json(), self.resolved.attention.to_json()
+        s.warnings = list(self.resolved.warnings)
         if accelerator.num_processes > 1:
-            accelerator.print(f"layout: {self.layout.name} ({why}), {accelerator.num_processes} processes, "
-                              f"came up as {str(accelerator.distributed_type).split('.')[-1]}")
-        for line in self.resuming.notes:  # notes and warnings name paths and recipe values: escaped for the terminal
+            accelerator.print(f"layout: {layout.name} ({self.resolved.layout_reason}), {accelerator.num_processes} "
+                              f"processes, came up as {str(accelerator.distributed_type).split('.')[-1]}")
+        for line in self.resolved.resume.notes:  # notes and warnings name paths and recipe values: escaped
             accelerator.print(printable(line))
-        for warning in warnings:
+        for warning in s.warnings:
             accelerator.print(f"warning: {printable(warning)}")
         self.state, self.heartbeat = Progress(), Heartbeat(accelerator)
 
@@ -167,7 +154,7 @@ class TrainingSession:
         with accelerator.main_process_first():
             self.data = (stream_data if streamed else prepare_data)(
                 recipe.data, self.tokenizer, seed=cfg.seed,
-                share_prompts=self.resuming.share_prompts(recipe, self.attention, self.model_config),
+                share_prompts=self.resolved.resume.share_prompts(recipe, self.resolved.attention, self.model_config),
                 whole_only=cfg.scores_sequences)
         # (a stream has read its first buffer: what it left out so far)
         among = f" (of the first {self.data.stats['train_opening_rows']} rows read)" if streamed else ""
@@ -233,7 +220,7 @@ class TrainingSession:
         check_disk_space(recipe, self.summary.trainable_params)
         self.flop_counter = FlopCounter(model, model.config)
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
-        self.resuming.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
+        self.resolved.resume.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
                                         math.inf if self.recipe.data.streaming else len(self.data.train), model,
                                         len(self.optimizer.param_groups))
 
@@ -259,19 +246,19 @@ class TrainingSession:
 
     def take_over(self) -> None:
         """Called once data and model are ready: only now is the run directory written."""
-        run, recipe = self.run_dir, self.recipe
+        run = self.run_dir
         if self.main:
             clear_stop_request(run)  # a request the run it was meant for has answered
             if self.resume:
-                self.resuming.check_data(self.data.stats)
+                self.resolved.resume.check_data(self.data.stats)
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
             # saved as asked (`auto` stays auto: a resume on another world size chooses again)
-            recipe.override(distributed__strategy=self.requested, model__attn=self.requested_attn).save(run.recipe)
+            self.resolved.saved.save(run.recipe)
             if self.eva_components is not None and not self.resume:
                 save_file(self.eva_components, str(run.path / adapter_init.EVA_FILE))
-            if self.resuming.changes:
-                self.summary.resume_changes = self.resuming.history()
+            if self.resolved.resume.changes:
+                self.summary.resume_changes = self.resolved.resume.history()
             self.summary.owner = process_owner()
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
@@ -292,7 +279,7 @@ class TrainingSession:
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)),
                                           self.tokenizer.pad_token_id)
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
-        checkpoint = self.resuming.checkpoint
+        checkpoint = self.resolved.resume.checkpoint
         if checkpoint is not None:
             how = checkpoints.load(accelerator, checkpoint, self.model, self.optimizer, self.scheduler, state,
                                    cfg.micro_batch_size)

@@ -1,0 +1,54 @@
+"""A run's recipe resolved once, in seconds and before any weights load: what `auto` and a resume became for this
+device and this launch. The training session reads this one frozen object from then on (`session.resolved`).
+
+In order: a resumed run's plan (what its recipe may change, and what its saved `auto` settings meant), the
+precision this device computes fastest, the attention kernel and how packed rows stay apart, the preflight
+checks, and the layout (the estimator's choice for `auto`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from workbench.distributed.launcher import check_launcher_agrees
+from workbench.estimator.layout_choice import resolve as resolve_layout
+from workbench.hardware.precision import Precision, resolve_recipe
+from workbench.model.attention import Attention, dense_mask_warning, flex_problem_for_run
+from workbench.model.attention import with_implementation as attention_for
+from workbench.model.loading import load_config, load_tokenizer
+from workbench.rundir.runs import RunDir
+from workbench.spec.recipe import Recipe
+from workbench.spec.strategies import Layout
+from workbench.training.preflight import preflight
+from workbench.training.resume import ResumePlan
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    recipe: Recipe  # concrete: precision, attention kernel and layout filled in; what every stage reads
+    saved: Recipe  # what the run directory keeps: `auto` strategy and attention as asked (a resume chooses again)
+    resume: ResumePlan
+    precision: Precision
+    attention: Attention
+    layout: Layout
+    layout_reason: str
+    warnings: tuple[str, ...]
+
+
+def resolve_run(recipe: Recipe, run: RunDir, *, resume: bool, world_size: int, nodes: int,
+                device_kind: str) -> tuple[ResolvedRun, Any, Any]:
+    """The resolved run, with the tokenizer and model config it was resolved against (loaded once, here)."""
+    recipe, plan = ResumePlan.start(recipe, run, resume, world_size)
+    asked_attention, asked_strategy = recipe.model.attn, recipe.distributed.strategy
+    recipe, precision = resolve_recipe(recipe, device_kind)
+    tokenizer, model_config = load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)
+    recipe, attention = attention_for(recipe, device_kind,
+                                      flex_problem=flex_problem_for_run(recipe, model_config, device_kind))
+    warnings = (*precision.warnings, *filter(None, [dense_mask_warning(attention, device_kind)]),
+                *preflight(recipe, tokenizer, model_config, resume))
+    recipe, layout, why = resolve_layout(recipe, world_size, nodes)
+    check_launcher_agrees(layout.strategy)
+    saved = recipe.override(distributed__strategy=asked_strategy, model__attn=asked_attention)
+    resolved = ResolvedRun(recipe, saved, plan, precision, attention, layout, why, warnings)
+    return resolved, tokenizer, model_config
