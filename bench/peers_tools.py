@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.data.pipeline import IGNORE
-from workbench.base.metrics import peak_rss_bytes
+from workbench.hardware.current import peak_rss_bytes
 
 # What each tool is given beyond the job itself, printed with the results.
 SETTINGS = {

@@ -136,3 +136,67 @@ def objective_names_outside_the_registry() -> list[str]:
 
 def test_objectives_are_asked_of_their_registry_not_compared_by_name():
     assert objective_names_outside_the_registry() == []
+
+
+def test_device_questions_are_asked_of_hardware():
+    """Which device, how many, how much memory: workbench/hardware/ answers, so a new kind of device is one place."""
+    asking = [f"{path.relative_to(ROOT)}:{node.lineno}"
+              for path in [*PACKAGE.rglob("*.py"), *(ROOT / "ui").rglob("*.py")] if "hardware" not in path.parts
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Attribute) and ast.unparse(node).startswith(("torch.cuda.", "torch.xpu."))]
+    assert asking == []
+
+
+HEAVY_LIBRARIES = {"torch", "transformers", "peft", "accelerate", "datasets", "matplotlib", "deepspeed", "trl",
+                   "bitsandbytes", "safetensors", "gradio", "pandas", "ray"}
+
+
+def top_level_imports(path) -> set[str]:
+    """The top-level packages a module imports at module level (not inside functions or `if TYPE_CHECKING:`)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+    return found
+
+
+def heavy_libraries_of(name: str, modules: dict, graph: dict, seen=None) -> set[str]:
+    """The heavy libraries that importing a module of the package loads (through module-level imports)."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return set()
+    seen.add(name)
+    found = {module.split(".")[0] for module in top_level_imports(modules[name])} & HEAVY_LIBRARIES
+    for target in graph[name]:
+        found |= heavy_libraries_of(target, modules, graph, seen)
+    return found
+
+
+def deferred_project_imports() -> list[str]:
+    """Imports of the package's own modules inside functions that defer nothing: the imported module loads no heavy
+    library that the importer does not load already. The front ends' commands load their floors when they
+    run (the CLI answers Ctrl-C and --help before any heavy import) and may defer as they need."""
+    modules = module_names()
+    top = {name: {t for t in top_level_imports(path) if t in modules or t.rpartition(".")[0] in modules}
+           for name, path in modules.items()}
+    top = {name: {t if t in modules else t.rpartition(".")[0] for t in targets} for name, targets in top.items()}
+    found = []
+    for name, path in modules.items():
+        if name.startswith("workbench.frontends.") or name in DOORS:
+            continue
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workbench"):
+                    target = node.module if node.module in modules else node.module.rpartition(".")[0]
+                    deferred = heavy_libraries_of(target, modules, top) - heavy_libraries_of(name, modules, top)
+                    if not deferred:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}")
+    return sorted(set(found))
+
+
+def test_project_modules_are_imported_inside_functions_only_to_defer_a_heavy_library():
+    assert deferred_project_imports() == []

@@ -144,7 +144,7 @@ def test_peak_memory_is_the_process_own_not_an_inherited_one():
 
     ballast = bytearray(768 * 2**20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page so it is resident
-    code = "from workbench.base.metrics import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from workbench.hardware.current import peak_rss_bytes; print(peak_rss_bytes())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(child.stdout) < 600 * 2**20, "the child reported its parent's peak"
     del ballast

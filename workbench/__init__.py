@@ -14,6 +14,8 @@ Ctrl-C back before any heavy import, so a job started with SIGINT ignored can st
 
 import importlib.util as _importlib_util
 
+from workbench.base.quiet import import_quietly
+
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -35,8 +37,6 @@ __all__ = sorted(_API)
 
 
 def __getattr__(name: str):
-    from workbench.base.quiet import import_quietly
-
     if name in _API:
         value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
     elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
-import sys
 from pathlib import Path
 
 import torch
@@ -30,42 +28,6 @@ def finite_json(value):
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory.
-
-    Linux keeps ru_maxrss across exec, so a child of a large process (a test runner, a launcher)
-    would report its parent's peak; VmHWM belongs to the process's own address space.
-    """
-    peak = _status_bytes("VmHWM")
-    if peak is not None:
-        return peak
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now (0 where /proc is not there to read it)."""
-    return _status_bytes("VmRSS") or 0
-
-
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """(peak MB, what was measured): max allocated on a GPU, process peak RSS on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    return peak_rss_bytes() / 2**20, "cpu_peak_rss"
 
 
 def matmul_flops(model) -> int:

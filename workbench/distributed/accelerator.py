@@ -18,7 +18,8 @@ import torch
 
 from workbench.base.errors import RecipeError, WorkbenchError
 from workbench.distributed.trackers import tensorboard_dir
-from workbench.hardware.current import node_count, process_alive, processes_per_node, world_size_from_env
+from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
+                                        world_size_from_env)
 from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import Layout, read_deepspeed_file
 
@@ -57,7 +58,7 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     # different precisions needs a fresh one (the process group in PartialState is kept).
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    on_gpu = torch.cuda.is_available()
+    on_gpu = local_kind() == "cuda"
     common = dict(mixed_precision=recipe.training.mixed_precision, log_with=list(recipe.output.trackers) or None,
                   project_config=ProjectConfiguration(project_dir=project_dir,
                                                       logging_dir=str(tensorboard_dir(project_dir))),
@@ -183,9 +184,9 @@ def deepspeed_config(recipe: Recipe) -> dict:
     else:
         zero: dict = {"stage": ds.stage, "overlap_comm": False, "contiguous_gradients": True}
         if ds.offload_optimizer == "cpu":
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": local_kind() == "cuda"}
         if ds.offload_params == "cpu":
-            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": local_kind() == "cuda"}
         if ds.stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = ds.save_16bit_model
         config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
@@ -297,8 +298,6 @@ def configure_threads(requested: int | None) -> tuple[int, str]:
     elif os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         requested, why = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
-        from workbench.hardware.current import available_cpus
-
         cores, where = available_cpus()  # the cgroup's quota where a container has one
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         requested = max(1, cores // local)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workbench.base.errors import RecipeError
+from workbench.hardware.current import gpu_count
 
 # variables that only make sense together: one without the other is a launch set up by half
 PAIRS = (("RANK", "WORLD_SIZE"), ("MASTER_ADDR", "MASTER_PORT"))
@@ -115,9 +116,7 @@ def _nodes(text: str) -> int:
 def _count(name: str, text: str, least: int = 1) -> int:
     text = text.strip()
     if text == "auto" and name == "PET_NPROC_PER_NODE":  # torchrun's `auto`: one per GPU, else one
-        import torch
-
-        return max(1, torch.cuda.device_count())
+        return max(1, gpu_count())
     if not (text.isascii() and text.isdigit()) or int(text) < least:
         raise RecipeError(f"{name}: expected a whole number of at least {least}, got {text!r}")
     return int(text)

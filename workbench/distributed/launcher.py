@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from workbench.base.errors import RecipeError, WorkbenchError
 from workbench.distributed.cluster_env import RANK_VARIABLES, check_host, check_launch_env
 from workbench.distributed.stopping import STOP_SIGNAL_ENV, parse_signal, warning_signals
-from workbench.hardware.current import available_cpus, local_kind
+from workbench.distributed.trackers import check_tracker_packages
+from workbench.hardware.current import available_cpus, gpu_count, local_kind
 from workbench.hardware.precision import resolve as resolve_precision
+from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import FSDP, ZERO2
 
 
@@ -55,9 +55,6 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
                 stop_signal: str | None = None) -> LaunchPlan:
     """The command that runs the recipe on nproc x nnodes processes; `stop_signal` (a name, e.g. USR2) is one
     more signal that checkpoints and stops every rank, given to them in the command's environment."""
-    from workbench.spec.recipe import Recipe
-    from workbench.distributed.trackers import check_tracker_packages
-
     check_launch_env({k: os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT")})
     stale = [name for name in RANK_VARIABLES if os.environ.get(name)]  # this launch numbers its own processes
 
@@ -88,7 +85,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
         command += ["--rdzv_backend", "static", "--same_network",
                     "--rdzv_conf", f"timeout={math.ceil(recipe.distributed.startup_timeout_s)}"]
     env = {**stop, "NUM_NODES": str(nnodes)}
-    if not torch.cuda.is_available():  # the CPUs this machine (or pod: its CPU quota) really gives
+    if local_kind() == "cpu":  # the CPUs this machine (or pod: its CPU quota) really gives
         env["OMP_NUM_THREADS"] = str(recipe.training.threads or max(1, available_cpus()[0] // nproc))
     return LaunchPlan(command + train, env, recipe.run_dir, nproc, nnodes, master,
                       recipe.distributed.startup_timeout_s, unset=stale)
@@ -101,9 +98,9 @@ def run_launch(plan: LaunchPlan, timeout: float | None = None) -> int:
     ranks to checkpoint and exit. A SIGTERM sent to this process alone (a scheduler, `kill PID`) is
     passed on to the launcher, which passes it on to the ranks.
     """
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else available_cpus()[0]
+    devices = gpu_count() or available_cpus()[0]
     if plan.nproc > devices:  # a plan (--dry-run) may be for another machine; running it here may not
-        what = "GPUs" if torch.cuda.is_available() else "CPU cores"
+        what = "GPUs" if gpu_count() else "CPU cores"
         raise RecipeError(f"--nproc: {plan.nproc} processes on a machine with {devices} {what}; one process per "
                           f"{what[:-1]} at most")
     env = plan.environment()

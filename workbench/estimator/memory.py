@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.base.errors import RecipeError
+from workbench.base.heap import LARGE_BLOCK, large_blocks_returned
 from workbench.hardware.catalogue import Device, get_device
 from workbench.hardware.current import node_count
 from workbench.hardware.precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype
-from workbench.hardware.probes import cpu_runtime_bytes
+from workbench.hardware.probes import cpu_decomposition_rate, cpu_runtime_bytes
 from workbench.model.attention import dense_mask_warning, mask_bytes
 from workbench.model.attention import resolve as resolve_attention
 from workbench.model.attention import with_implementation as attention_for
@@ -309,8 +310,6 @@ def cpu_heap_growth(recipe: Recipe, info: ModelInfo) -> float:
     """RSS per byte of per-step tensors. When the training process maps large blocks on its own and returns
     them when freed (workbench/base/heap.py), the share of a step's bytes in such blocks does not grow: that share
     is taken as 1 - LARGE_BLOCK / (a micro-batch's MLP activation)."""
-    from workbench.base.heap import LARGE_BLOCK, large_blocks_returned
-
     if not large_blocks_returned():
         return CPU_HEAP_GROWTH
     tokens = recipe.training.micro_batch_size * recipe.data.row_len
@@ -551,8 +550,6 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
     if dev.kind == "cuda" and not dev.bf16 and recipe.training.mixed_precision == "bf16":
         notes.append(f"{dev.name} has no bf16 tensor cores: use training.mixed_precision=fp16 and model.dtype=float16.")
     if terms["init_flops"]:
-        from workbench.hardware.probes import cpu_decomposition_rate
-
         seconds = terms["init_flops"] / cpu_decomposition_rate()
         took = f"{seconds:.2g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
         notes.append(f"adapter.init {recipe.adapter.init}: every target weight is decomposed on the CPU at start-up "

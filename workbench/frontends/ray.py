@@ -22,6 +22,7 @@ from pathlib import Path
 from workbench.base.errors import Interrupted, RecipeError, WorkbenchError
 from workbench.rundir.runs import RunDir, TrainResult, read_result
 from workbench.spec.recipe import Recipe, with_paths_changed
+from workbench.training.entry import train
 from workbench.training.preflight import check_data_files
 
 
@@ -81,8 +82,6 @@ def ray_train(recipe: Recipe | str | os.PathLike, *, num_workers: int = 2, use_g
 def _train_on_worker(config: dict) -> None:
     """One Ray worker: its rank's share of the run, continued from the last checkpoint after a restart. A run
     stopped on request ends the worker normally: Ray must not restart what was asked to stop."""
-    from workbench.training.entry import train
-
     recipe = Recipe.from_dict(config["recipe"], source="ray_train")
     try:
         train(recipe, resume="auto", progress_bar="lines")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.spec.recipe import Recipe
 
 PORT_BASE, PORT_SPAN = 10000, 20000  # below Linux's ephemeral ports (32768 and up)
 
@@ -74,8 +75,6 @@ def write_sbatch(recipe_path: str | Path, overrides: list[str], *, nodes: int, g
                  partition: str | None = None, account: str | None = None, signal_before_s: int = 120,
                  script: str | Path | None = None, extra: list[str] | None = None) -> SbatchPlan:
     """The sbatch script for a recipe (checked first: a bad recipe fails here, not in the queue), written."""
-    from workbench.spec.recipe import Recipe
-
     if nodes < 1:
         raise RecipeError(f"--nodes: must be at least 1, got {nodes}")
     if gpus_per_node < 0:

@@ -1,8 +1,10 @@
-"""Where this process runs: its device, the processes and machines of its launch, the CPU's model."""
+"""Where this process runs: its device, the processes and machines of its launch, the CPU's model, the memory it holds."""
 
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from pathlib import Path
 
 # launchers' names for the number of processes in the launch (torchrun, MPI, MVAPICH)
@@ -25,6 +27,58 @@ def current_device() -> str:
 
         return f"cuda:{torch.cuda.current_device()}"
     return kind
+
+
+def gpu_count() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_names() -> list[str]:
+    """The model name of each GPU this process sees."""
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(gpu_count())]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux keeps ru_maxrss across exec, so a child of a large process (a test runner, a launcher)
+    would report its parent's peak; VmHWM belongs to the process's own address space.
+    """
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there to read it)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_mb(device) -> tuple[float, str]:
+    """(peak MB, what was measured): max allocated on a GPU, process peak RSS on a CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return peak_rss_bytes() / 2**20, "cpu_peak_rss"
 
 
 def world_size_from_env() -> int:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 from workbench.base.errors import RecipeError
+from workbench.hardware.current import local_kind
+from workbench.hardware.precision import compute_dtype_of
 from workbench.hardware.probes import flex_backward_error
 from workbench.spec.formats import format_of
 
@@ -77,8 +79,6 @@ def flex_problem_for_run(recipe, model_config, device_kind: str) -> str | None:
         return None
     import torch
 
-    from workbench.hardware.precision import compute_dtype_of
-
     return flex_unavailable(model_config, getattr(torch, compute_dtype_of(recipe)))
 
 
@@ -87,11 +87,9 @@ def flex_unavailable(model_config, dtype) -> str | None:
     must support it (GPT-2, Falcon and remote-code models do not), and on a GPU a forward and backward of this
     model's head shape must run: some GPUs lack the shared memory Triton's backward kernel wants for some head
     sizes. Probed once per GPU, torch version, shape and dtype; the answer is cached on disk."""
-    import torch
-
     if not model_class_runs_flex(model_config):
         return f"{type(model_config).__name__.replace('Config', '')} has no FlexAttention in transformers"
-    if not torch.cuda.is_available():
+    if local_kind() != "cuda":
         return None
     text = model_config.get_text_config()
     heads = text.num_attention_heads

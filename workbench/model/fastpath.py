@@ -20,12 +20,12 @@ import types
 
 import torch
 
+from workbench.model.packed_attention import use_packed_attention
+
 
 def apply_fast_paths(model, compute_dtype: torch.dtype | None = None) -> dict:
     """Per-sample attention for packed rows (models on `sdpa`) and the cheaper LoRA input path; says what changed.
     `compute_dtype`: the dtype attention will run in, for the packed-attention cost model (measured here)."""
-    from workbench.model.packed_attention import use_packed_attention
-
     return {"lora_layers": lora_fast_paths(model), "packed_attention": use_packed_attention(model, compute_dtype)}
 
 

@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from workbench.base.errors import RecipeError, WorkbenchError
-from workbench.base.quiet import leaves_the_process_as_found
+from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.hardware.current import local_kind
+from workbench.hardware.precision import DTYPE_OF, device_half
+from workbench.model.loading import load_config, model_class, resolve_model_path, reward_config
+from workbench.rundir.runs import load_run
+from workbench.spec.chat_templates import TemplateFailure, render_ids
 
 if TYPE_CHECKING:
     from workbench.spec.recipe import Recipe
@@ -24,7 +28,6 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (exact, and generation is short); the GPU's native half type (bf16 or fp16) to fit big models."""
     if device.type != "cuda":
         return torch.float32
-    from workbench.hardware.precision import DTYPE_OF, device_half
 
     return getattr(torch, DTYPE_OF[device_half("cuda").half])
 
@@ -42,10 +45,6 @@ def load_for_inference(source: str | Path, base: bool = False, device: str | tor
     (generates=False); one that would generate is refused.
     """
     from transformers import AutoModelForCausalLM
-
-    from workbench.model.loading import model_class, resolve_model_path, reward_config
-    from workbench.base.quiet import quiet_libraries
-    from workbench.rundir.runs import load_run
 
     quiet_libraries()
     device = torch.device(device if device is not None else local_kind())
@@ -196,8 +195,6 @@ def hub_options(model_cfg) -> dict:
     where bool("no") is True): its revision, remote code, and the config its model.rope_scaling stretched."""
     options = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code is True}
     if model_cfg.rope_scaling is not None:
-        from workbench.model.loading import load_config
-
         options["config"] = load_config(model_cfg)
     return options
 
@@ -228,8 +225,6 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The conversation rendered with the tokenizer's chat template for the model to answer; a template that runs
     past its budget or fails (a run's template is a file anyone may have written) is one line, not a hung server
     or a traceback."""
-    from workbench.spec.chat_templates import TemplateFailure, render_ids
-
     try:
         return render_ids(tokenizer, messages, add_generation_prompt=True)
     except TemplateFailure as err:

@@ -12,7 +12,12 @@ from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import ModelError
 from workbench.base.metrics import full_numel
 from workbench.hardware.current import current_device, local_kind
-from workbench.spec.model_configs import target_modules
+from workbench.hardware.precision import concrete, frozen_dtype_of, vocabulary_dtype
+from workbench.model.attention import AUTO, resolve
+from workbench.model.lm_loss import CHUNK_ELEMENTS, plain_head
+from workbench.spec import adapter_init
+from workbench.spec.chat_templates import use_chat_template
+from workbench.spec.model_configs import checkpoint_files, describe_model, target_modules
 from workbench.spec.recipe import ModelSection, Recipe
 from workbench.spec.rope_scaling import scaled_config
 
@@ -45,8 +50,6 @@ def _hub_call(path: str, what: str, load):
 def load_tokenizer(model: ModelSection, chat_template: str | None = None):
     """The model's tokenizer; `chat_template` (data.chat_template) in place of its own template."""
     from transformers import AutoTokenizer
-
-    from workbench.spec.chat_templates import use_chat_template
 
     path = resolve_model_path(model.path)
     tokenizer = _hub_call(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(
@@ -86,9 +89,6 @@ def reward_config(recipe: Recipe, config=None):
 def load_base_model(recipe: Recipe, device_map=None):
     """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora); for a reward model the sequence
     classifier over it, its score head drawn from the seed set before (the LM head is not read)."""
-    from workbench.model.attention import AUTO, resolve
-    from workbench.hardware.precision import concrete
-
     recipe = concrete(recipe)
     path = resolve_model_path(recipe.model.path)
     attn = recipe.model.attn
@@ -130,8 +130,6 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
     from transformers import AutoConfig, GenerationConfig
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from workbench.spec.model_configs import checkpoint_files
-
     folder = Path(path)
     files = checkpoint_files(folder) if folder.is_dir() else None
     if not files or recipe.model.trust_remote_code or is_deepspeed_zero3_enabled():
@@ -167,8 +165,6 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
 def bnb_config(recipe: Recipe):
     from transformers import BitsAndBytesConfig
 
-    from workbench.hardware.precision import concrete
-
     q = concrete(recipe).quantization
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
@@ -194,8 +190,6 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
         return model
     from peft import LoraConfig, get_peft_model
 
-    from workbench.spec import adapter_init
-
     if recipe.quantization is not None:
         prepare_quantized(model, recipe)
     config = LoraConfig(
@@ -220,7 +214,6 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
     # peft makes LoRA weights float32 but copies a modules_to_save module in the base's dtype: AdamW on 16-bit
     # weights loses small updates. Under autocast a float32 copy computes in 16 bit like the rest (without
     # it, a float32 copy between 16-bit layers could not run: pure 16-bit training stays as asked).
-    from workbench.hardware.precision import concrete
 
     if concrete(recipe).training.mixed_precision != "no":
         for param in model.parameters():
@@ -235,9 +228,6 @@ def prepare_quantized(model, recipe: Recipe) -> None:
     to float32: for a 128k vocabulary that is 2 GiB more for the embeddings and head of an 8B model, and the
     residual stream in float32 besides. (Non-reentrant gradient checkpointing, enabled above, needs no
     input-gradient hooks.)"""
-    from workbench.spec.model_configs import describe_model
-    from workbench.hardware.precision import concrete, frozen_dtype_of, vocabulary_dtype
-
     recipe = concrete(recipe)
     model.requires_grad_(False)
     if frozen_dtype_of(recipe) != "float32":
@@ -257,8 +247,6 @@ def keep_vocabulary_16bit(model, dtype: torch.dtype) -> bool:
     itself (lm_loss casts it a slice at a time); where the model's own head runs (evaluation's full logits,
     sample generations) it casts its weight a slice of the vocabulary at a time. False (nothing changed) when
     the head is not a plain Linear the loss can stand in for."""
-    from workbench.model.lm_loss import plain_head
-
     embeddings, head = model.get_input_embeddings(), plain_head(model)
     if head is None or type(embeddings) is not torch.nn.Embedding:  # not a subclass that scales in its dtype
         return False
@@ -272,8 +260,6 @@ def keep_vocabulary_16bit(model, dtype: torch.dtype) -> bool:
 
 def _head_in_slices(self, hidden: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward with a 16-bit weight cast to the input's dtype a slice of the vocabulary at a time."""
-    from workbench.model.lm_loss import CHUNK_ELEMENTS
-
     if self.weight.dtype == hidden.dtype:
         return torch.nn.functional.linear(hidden, self.weight)
     step = max(1, CHUNK_ELEMENTS // self.in_features)

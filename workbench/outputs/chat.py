@@ -18,6 +18,7 @@ import torch
 from transformers import TextStreamer
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.quiet import quiet_libraries
 from workbench.model.inference import load_for_inference, prompt_ids, stop_token_ids
 
 PROMPT = "you> "
@@ -162,8 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.base.quiet import quiet_libraries
-
     quiet_libraries()
     args = build_parser().parse_args(argv)
     try:

@@ -25,10 +25,12 @@ from workbench.base.errors import DataError, RecipeError, WorkbenchError
 from workbench.base.quiet import leaves_the_process_as_found
 from workbench.data.pipeline import IGNORE, Collator, Rows, held_out_indices, load_rows, tokenize_row
 from workbench.model.inference import load_for_inference, stop_token_ids
+from workbench.model.lm_loss import lm_loss_sum
 from workbench.rundir.runs import RunDir, load_run
 from workbench.spec.formats import detect, format_of
 from workbench.spec.objectives import objective_of
 from workbench.spec.recipe import DataSection
+from workbench.training.objectives import right_side, sample_logps, sequence_rewards
 
 EXAMPLES_SAVED = 20  # answers kept in run.json for people to read (the scores use every row)
 
@@ -203,8 +205,6 @@ def score(model, tokenizer, examples: list[Example], max_new_tokens: int, batch_
 @torch.no_grad()
 def loss_sum_and_targets(model, tokenizer, examples: list[Example], batch_size: int) -> tuple[float, int]:
     """Summed next-token loss over every answer token, and how many there were (token-weighted)."""
-    from workbench.model.lm_loss import lm_loss_sum
-
     collate = Collator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     samples = sorted((e for e in examples if e.targets), key=lambda e: len(e.input_ids))  # less padding
@@ -296,8 +296,6 @@ def evaluate_rewards(model, tokenizer, parts: list[tuple[Rows, DataSection]], li
                      batch_size: int) -> dict:
     """Held-out pairs scored by a reward model: how often the chosen answer scores higher (reward_accuracy), by how
     much on average (reward_margin), and the mean scores. Its base has no trained score head: no base column."""
-    from workbench.training.objectives import sequence_rewards
-
     pairs, without_targets = [], 0
     for row, where, cfg in _each_row(parts, limit):
         if not format_of(cfg.format).preference:
@@ -335,8 +333,6 @@ def evaluate_unpaired(model, tokenizer, parts: list[tuple[Rows, DataSection]], r
     implicit rewards against the base. As in training, each row also answers its prompt with the previous row's
     answer, and those mismatched samples give the reference point z (`kl`); reward_accuracy is how often a row's
     reward lies on its label's side of beta * z."""
-    from workbench.training.objectives import right_side
-
     rows = list(_each_row(parts, limit))
     if len(rows) < 2:
         raise DataError(f"{' + '.join(r.source for r, _ in parts)}: {len(rows)} unpaired row; the KL estimate answers "
@@ -393,8 +389,6 @@ def on_base(model, run_path, measure):
 def pair_logps(model, tokenizer, pairs: list[dict], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed answer log-probabilities of each pair, as training scores them (for unpaired
     rows: the answer and the mismatched answer)."""
-    from workbench.training.objectives import sample_logps
-
     collate = Collator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     chosen, rejected = [], []

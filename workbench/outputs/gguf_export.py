@@ -21,9 +21,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import ModelError, RecipeError, WorkbenchError, WriteError
-from workbench.base.quiet import leaves_the_process_as_found
+from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
+from workbench.model.inference import check_adapter
+from workbench.model.loading import load_config
+from workbench.outputs.merging import merge
+from workbench.rundir.runs import load_run
 from workbench.rundir.staging import merge_staging_folder, remove_leftovers
+from workbench.spec.chat_templates import render as render_template
 
 # quant name -> (the type of every weight matrix, the file type the header announces)
 QUANTS = {
@@ -61,9 +67,6 @@ def export(source: str | Path, format: str = "gguf", quant: str = "f16", out: st
 @leaves_the_process_as_found
 def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = "f16") -> Path:
     """Write `source` (a run directory, a model folder or builtin:NAME) as a GGUF file; see `export`."""
-    from workbench.base.quiet import quiet_libraries
-    from workbench.rundir.runs import load_run
-
     quiet_libraries()
     check_quant(quant)
     if out is not None and not str(out).strip():
@@ -226,8 +229,6 @@ def check_architecture(source, config) -> None:
 
 def local_model(source: str | Path) -> tuple[Path, str]:
     """(folder, name) of a model folder or builtin:NAME; hub ids are refused (merge or download them first)."""
-    from workbench.base.builtin import is_builtin, resolve_builtin
-
     text = str(source)
     if is_builtin(text):
         return resolve_builtin(text), text.removeprefix("builtin:")
@@ -246,12 +247,9 @@ def _config(path):
 
 def _run_model_config(run):
     """The config of the model a run tunes: its saved full model, or the base its adapter applies to."""
-    from workbench.model.inference import check_adapter
-
     if run.dir.model.exists():
         return _config(run.dir.model)
     check_adapter(run.path, run.adapter_dir)
-    from workbench.model.loading import load_config
 
     return load_config(run.checked_recipe().model)  # with the run's model.rope_scaling, as it trained
 
@@ -260,8 +258,6 @@ def _run_model_config(run):
 def merged_run(run, out: Path):
     """The run's tuned model as a plain transformers folder, merged in float32 (no rounding before the
     export's own), in a temporary folder beside the output: the system temp folder may be too small."""
-    from workbench.outputs.merging import merge
-
     staging = merge_staging_folder(out.parent)
     try:
         try:
@@ -604,8 +600,6 @@ def ollama_template(tokenizer) -> str | None:
 
 
 def _template_parts(tokenizer) -> dict | None:
-    from workbench.spec.chat_templates import render as render_template
-
     def render(*turns, prompt=False):
         messages = [{"role": role, "content": content} for role, content in turns]
         text = render_template(tokenizer, messages, add_generation_prompt=prompt)  # within the budget: it is code

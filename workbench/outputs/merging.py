@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 from workbench.base.errors import RecipeError, WorkbenchError, reported_as_write_error
-from workbench.base.quiet import leaves_the_process_as_found
+from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.model.inference import check_adapter, hub_options, load_adapter, stop_token_ids, tokenizer_of
+from workbench.model.loading import DTYPES, model_class, resolve_model_path, reward_config
 from workbench.outputs.hub import check_hub_access, push_folder
 from workbench.rundir.model_card import write_model_card_or_warn
+from workbench.rundir.runs import load_run
 from workbench.rundir.staging import give_default_modes, merge_staging_folder
 
 
@@ -29,10 +31,6 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     `push_to_hub="owner/name"` uploads the folder afterwards (access is checked before merging).
     """
     from transformers import AutoModelForCausalLM
-
-    from workbench.model.loading import DTYPES, model_class, resolve_model_path, reward_config
-    from workbench.base.quiet import quiet_libraries
-    from workbench.rundir.runs import load_run
 
     quiet_libraries()
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)

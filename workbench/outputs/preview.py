@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.base.errors import DataError, RecipeError, printable
-from workbench.base.quiet import leaves_the_process_as_found
+from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.data import streaming
 from workbench.data.pipeline import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair,
                                      tokenize_row, whole_training_examples)
+from workbench.model.loading import load_tokenizer
 from workbench.spec.formats import format_of
 from workbench.spec.recipe import Recipe
 
@@ -143,9 +144,6 @@ class DataPreview:
 def preview_data(recipe: Recipe | dict | str | Path, rows: int = 3) -> DataPreview:
     """The recipe's training data as the model will see it (see the module's docstring): the first `rows` rows
     rendered, and the figures of every row training will read (data.limit and data.eval_split applied)."""
-    from workbench.model.loading import load_tokenizer
-    from workbench.base.quiet import quiet_libraries
-
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise RecipeError(f"rows: a whole number of rows to show, 0 or more; got {rows!r}")
     quiet_libraries()

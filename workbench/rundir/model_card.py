@@ -13,12 +13,13 @@ import warnings
 from pathlib import Path
 
 from workbench.rundir.run_summary import RunSummary
+from workbench.rundir.runs import load_run
 from workbench.spec.chat_templates import TEMPLATES
 from workbench.spec.objectives import Objective, objective_of
 
 
 KINDS = ("adapter", "merged")
-HUB_DATA_PREFIX = "hub:"  # how data.py fingerprints a hub data set instead of hashing a file
+HUB_DATA_PREFIX = "hub:"  # how data/pipeline.py fingerprints a hub data set instead of hashing a file
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 EVALUATE_FIGURES = {"eval_loss": "loss", "perplexity": "perplexity", "exact_match": "exact_match",
@@ -34,8 +35,6 @@ def write_model_card(folder: str | Path, run_dir: str | Path, kind: str = "adapt
                      repo_id: str | None = None) -> Path:
     """Write `folder/README.md`, the model card of the adapter (kind="adapter") or merged model
     (kind="merged") that `run_dir` produced. `repo_id` names the hub repository in the loading snippet."""
-    from workbench.rundir.runs import load_run
-
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
     folder = Path(folder)

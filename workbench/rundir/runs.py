@@ -19,9 +19,11 @@ from typing import Any
 
 from workbench.base.errors import WorkbenchError
 from workbench.base.metrics import finite_json, read_metrics
+from workbench.hardware.current import gpu_names
 from workbench.rundir.run_summary import HEADLINE, RunSummary
 from workbench.spec.adapter_init import EVA_FILE
 from workbench.spec.objectives import objective_of
+from workbench.spec.recipe import Recipe
 
 CHECKPOINT_PREFIX = "step-"
 # What a training run writes into its directory besides run.json (its trackers' folders included), and the
@@ -351,8 +353,7 @@ def environment(accelerator) -> dict:
     except Exception:  # optional on some machines; importing it can fail on odd CUDA setups
         pass
     device = accelerator.device
-    devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-               if device.type == "cuda" else [platform.processor() or platform.machine()])
+    devices = gpu_names() if device.type == "cuda" else [platform.processor() or platform.machine()]
     return {"versions": versions, "device": str(device), "device_type": device.type, "devices": devices,
             "hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
@@ -404,8 +405,6 @@ class Run:
     def checked_recipe(self):
         """The run's recipe.yaml read through the schema (`Recipe.from_dict`): what every loader of the run's model
         reads (in the raw mapping, the text "no" for trust_remote_code is a true value to bool())."""
-        from workbench.spec.recipe import Recipe
-
         if not self.recipe:
             raise WorkbenchError(f"{self.path}: the run has no readable recipe.yaml (it names the model to load)")
         return Recipe.from_dict(self.recipe, source=str(self.path / "recipe.yaml"))

@@ -22,6 +22,7 @@ from workbench.base.errors import RecipeError, WorkbenchError
 from workbench.base.units import parse_bytes
 from workbench.spec.adapter_init import INITS, LOFTQ_REFUSED
 from workbench.spec.chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
+from workbench.spec.compat import check_recipe
 from workbench.spec.formats import FORMAT_NAMES, FORMATS
 from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, Objective
 
@@ -453,8 +454,6 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _compatible(self):
-        from workbench.spec.compat import check_recipe
-
         check_recipe(self)
         return self
 

@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import workbench.training.entry
 from workbench.base.builtin import CHATML_TEMPLATE
-from workbench.base.metrics import peak_rss_bytes, rss_bytes
 from workbench.distributed.accelerator import unwrap
+from workbench.hardware.current import peak_rss_bytes, rss_bytes
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
-from workbench.base.metrics import FlopCounter, MetricsWriter, peak_memory_mb, read_metrics
+from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
 from workbench.data.pipeline import (STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows,
                                      prepare_data)
 from workbench.data.streaming import StreamBatches, stream_data
@@ -32,7 +32,7 @@ from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, h
 from workbench.distributed.trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
 from workbench.estimator.memory import prediction_for_run
 from workbench.hardware.catalogue import peak_flops
-from workbench.hardware.current import local_kind, node_count, world_size_from_env
+from workbench.hardware.current import local_kind, node_count, peak_memory_mb, world_size_from_env
 from workbench.hardware.precision import compute_dtype_of
 from workbench.model.fastpath import apply_fast_paths, compile_layers, lora_fast_paths
 from workbench.model.lm_loss import full_logits_loss_sum, lm_loss_sum
