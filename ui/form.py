@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from workbench.base.errors import RecipeError
+from workbench.spec.objectives import OBJECTIVES
 from workbench.spec.recipe import Recipe, parse_recipe_yaml
 
 SKIP = object()  # a form value that cannot show what the YAML holds: leave the widget as it is
@@ -31,9 +32,10 @@ UNITS = {
     "training.grad_accum": "micro-batches", "training.lr": "learning rate", "training.warmup_ratio": "fraction of steps",
     "training.max_grad_norm": "L2 norm", "training.threads": "CPU threads", "output.save_every": "steps",
     "output.keep_last": "checkpoints", "output.eval_every": "steps", "output.log_every": "steps",
-    "output.sample_max_new_tokens": "tokens", "training.dpo_beta": "dpo only",
-    "training.orpo_lambda": "orpo only", "training.kto_beta": "kto only", "training.kto_desirable_weight": "kto only",
-    "training.kto_undesirable_weight": "kto only", "training.reward_center_coefficient": "reward only",
+    "output.sample_max_new_tokens": "tokens",
+    # each objective's own settings (workbench/spec/objectives.py), marked as read by it alone
+    **{f"training.{field}": f"{objective.name} only" for objective in OBJECTIVES.values()
+       for field, _ in objective.settings},
 }
 
 
