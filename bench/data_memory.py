@@ -8,7 +8,7 @@
 
 Each size is a generated JSONL file of alpaca rows (seeded, short instructions and answers), read in a process
 of its own with a fresh cache. Map-style (the default), the file is prepared as training prepares it
-(`workbench.data.pipeline.prepare_data`: read, check, tokenize into the cache, pack). With --streaming it is read as a
+(`workbench.data.prepared.prepare_data`: read, check, tokenize into the cache, pack). With --streaming it is read as a
 streamed run reads it (`workbench.data.streaming.StreamedExamples`: shuffled in a buffer, tokenized and packed as the
 rows are asked for), all of it or its first --stream-rows rows; "first row s" is how long the first packed row
 took, what a streamed run waits before its first step. Reported per size: the wall time, the peak of the process's
@@ -47,7 +47,7 @@ def rss_kb():
             return int(line.split()[1])
 
 from workbench import Recipe
-from workbench.data.pipeline import prepare_data
+from workbench.data.prepared import prepare_data
 from workbench.model.loading import load_tokenizer
 from workbench.data.streaming import StreamedExamples
 

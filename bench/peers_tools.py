@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workbench.data.pipeline import IGNORE
+from workbench.data.tokens import IGNORE
 from workbench.hardware.current import peak_rss_bytes
 
 # What each tool is given beyond the job itself, printed with the results.
@@ -102,7 +102,7 @@ def model_flops(model, lengths: list[int]) -> float:
 
 def reference_samples(spec: dict, rows: list[dict], tokenizer) -> list[dict]:
     """Rows tokenized one way for every tool (the workbench's: chat template, loss on the answers)."""
-    from workbench.data.pipeline import tokenize_row
+    from workbench.data.tokens import tokenize_row
     from workbench.spec.recipe import DataSection
 
     cfg = DataSection(train="unused", format="chat", max_seq_len=spec["max_seq_len"], train_on="completions")
@@ -355,7 +355,7 @@ def reference_pairs(spec: dict, rows: list[dict], tokenizer, share_prompts: bool
     """Pairs tokenized one way for every tool (the workbench's: chat template, loss on the answers, each sequence
     truncated to max_seq_len): one example per pair, chosen then rejected, positions restarting at the second
     (share_prompts: the rejected answer continuing the prompt, as the workbench trains on a CPU)."""
-    from workbench.data.pipeline import tokenize_row
+    from workbench.data.tokens import tokenize_row
     from workbench.spec.recipe import DataSection
 
     cfg = DataSection(train="unused", format="preference", max_seq_len=spec["max_seq_len"], train_on="completions")

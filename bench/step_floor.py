@@ -54,7 +54,8 @@ def measure(job: str, precision: str, micro_batches: int, repeats: int, workdir:
 
     import peers
     from peers_tools import workbench_recipe
-    from workbench.data.pipeline import Collator, prepare_data
+    from workbench.data.prepared import prepare_data
+    from workbench.data.batches import Collator
     from workbench.model.fastpath import SparseDropout, apply_fast_paths
     from workbench.model.lm_loss import lm_loss_sum
     from workbench.model.loading import attach_adapter, load_base_model, load_tokenizer

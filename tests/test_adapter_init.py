@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from workbench import train
-from workbench.spec.adapter_init import InitialAdapter, converted_config
-from workbench.frontends.cli import main
 from workbench.base.errors import RecipeError, WorkbenchError
-from workbench.spec.model_configs import target_modules
+from workbench.frontends.cli import main
 from workbench.model.loading import attach_adapter, load_base_model
-from workbench.spec.recipe import Recipe
 from workbench.rundir.runs import RunDir
+from workbench.spec.adapter_init import InitialAdapter, converted_config
+from workbench.spec.model_configs import target_modules
+from workbench.spec.recipe import Recipe
 
 FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
 
@@ -266,7 +266,8 @@ def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
 
 
 def eva_inputs(recipe):
-    from workbench.data.pipeline import Collator, FirstEpochBatches, prepare_data
+    from workbench.data.prepared import prepare_data
+    from workbench.data.batches import Collator, FirstEpochBatches
     from workbench.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(recipe.model)
@@ -343,7 +344,8 @@ def test_corda_is_pefts_own_on_the_runs_first_rows():
     from peft.tuners.lora.corda import preprocess_corda
 
     from workbench.spec.adapter_init import CORDA_ROWS, _samples_of
-    from workbench.data.pipeline import first_rows, prepare_data
+    from workbench.data.prepared import prepare_data
+    from workbench.data.batches import first_rows
     from workbench.model.loading import load_tokenizer
 
     recipe = tiny("adapter.init=corda", "data.limit=64")

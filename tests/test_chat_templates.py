@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from workbench.spec.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
-from workbench.frontends.cli import main
-from workbench.data.pipeline import tokenize_segments
 from workbench.base.errors import RecipeError
-from workbench.spec.formats import chat_segments
+from workbench.data.tokens import tokenize_segments
+from workbench.frontends.cli import main
 from workbench.model.loading import load_tokenizer
+from workbench.spec.chat_templates import NAMES, STEPS, TEMPLATES, use_chat_template
+from workbench.spec.formats import chat_segments
 from workbench.spec.recipe import DataSection, ModelSection, Recipe
 
 REFERENCES = Path(__file__).parent / "data" / "chat_templates"

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from workbench import Recipe, RecipeError, WorkbenchError, train
 from workbench.distributed.accelerator import _raised_in_collective, collective_failure
-from workbench.training.resume import check_resume
 from workbench.rundir.runs import RunDir
 from workbench.spec.strategies import Layout
+from workbench.training.resume import check_resume
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from workbench import DataError
-from workbench.data.pipeline import (IGNORE, STAND_IN, Collator, EpochSampler, StepBatches, TrainRows, pack,
-                                     prepare_data, tokenize_row)
+from workbench.data.batches import STAND_IN, Collator, EpochSampler, StepBatches, TrainRows
+from workbench.data.prepared import pack, prepare_data
+from workbench.data.tokens import IGNORE, tokenize_row
 from workbench.spec.recipe import DataSection
 
 
@@ -239,7 +240,7 @@ def test_a_resumed_epoch_deals_the_rest_and_a_stand_in_counts_nothing():
 def test_a_field_that_changes_type_is_named_with_both_lines(tmp_path):
     """A leading blank line and a field that turns from boolean to list: the JSON reader gives up with
     a bare parse error; the workbench names the row and the one that set the type."""
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     path = tmp_path / "mixed.jsonl"
     path.write_text('\n{"id": null, "source": false, "text": "0"}\n{"source": [], "text": "0"}')
@@ -250,7 +251,7 @@ def test_a_field_that_changes_type_is_named_with_both_lines(tmp_path):
 def test_an_empty_row_is_refused_not_dropped(tmp_path):
     """Found by fuzzing: beside a list-valued field the JSON reader drops a `{}` row without a word, so the run
     would train on fewer rows than the file holds."""
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"id": [null, null], "text": "0"}\n{}\n')
@@ -260,7 +261,7 @@ def test_an_empty_row_is_refused_not_dropped(tmp_path):
 
 def test_a_number_beyond_64_bits_is_named_with_its_line(tmp_path):
     """Found by fuzzing: pyarrow fails on an integer past int64 without saying where."""
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"id": 9223372036854775808, "source": [null, null], "prompt": "0", "completion": "0"}\n')
@@ -271,7 +272,7 @@ def test_a_number_beyond_64_bits_is_named_with_its_line(tmp_path):
 def test_rows_the_json_reader_trips_on_are_still_read(tmp_path):
     """Found by fuzzing: pyarrow's JSON reader fails on a list of nulls after a blank line ("Length spanned by
     list offsets"); the rows are sound, so they are read all the same."""
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text('\n{"id": [null, null], "text": "0"}\n{"id": [null], "text": "1"}\n')
@@ -280,7 +281,7 @@ def test_rows_the_json_reader_trips_on_are_still_read(tmp_path):
 
 
 def test_a_list_of_mixed_types_is_named_with_its_line(tmp_path):
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text('\n{"id": [false, 0], "text": "0"}\n')
@@ -306,7 +307,7 @@ def test_an_empty_csv_cell_is_named_with_its_line_and_column(tmp_path, tiny_toke
 def test_csv_cells_keep_the_text_they_hold(tmp_path, monkeypatch):
     """A column of numbers is not read as floats ("2" stayed 2.0 and was refused as "got float"), and words that a
     table reader takes for missing values ("NA", "null") stay words."""
-    from workbench.data.pipeline import load_rows
+    from workbench.data.rows import load_rows
 
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
     (tmp_path / "d.csv").write_text("prompt,completion\n1 plus 1 is,2\nNA,null\n")
@@ -345,7 +346,7 @@ LONG_TEXTS = {  # each many times what max_seq_len keeps, of the kinds that toke
 def test_a_long_row_keeps_the_tokens_of_the_whole_row(tiny_tokenizer, monkeypatch, kind, fmt, row_of, train_on):
     """A text is tokenized only as far as truncation keeps it: the sample (ids, masks, truncation) is the one the
     whole row gives."""
-    import workbench.data.pipeline as data
+    import workbench.data.tokens as data
 
     row, section = row_of(LONG_TEXTS[kind]), cfg(format=fmt, train_on=train_on, max_seq_len=300)
     cut = tokenize_row(row, tiny_tokenizer, section, "x:1")
@@ -362,7 +363,7 @@ def test_a_long_row_costs_memory_bounded_by_max_seq_len_not_by_its_length(tmp_pa
 
     script = (
         "import resource, sys\n"
-        "from workbench.data.pipeline import tokenize_row\n"
+        "from workbench.data.tokens import tokenize_row\n"
         "from workbench.model.loading import load_tokenizer\n"
         "from workbench.spec.recipe import DataSection, ModelSection\n"
         "tokenizer = load_tokenizer(ModelSection(path='builtin:tiny'))\n"

@@ -10,9 +10,9 @@ import torch
 
 from run_files import resumed_from_its_checkpoint
 from workbench import train
-from workbench.frontends.cli import main
-from workbench.data.pipeline import mix_sources, tokenize_data
 from workbench.base.errors import DataError
+from workbench.data.prepared import mix_sources, tokenize_data
+from workbench.frontends.cli import main
 from workbench.model.loading import load_tokenizer
 from workbench.spec.recipe import DataSource
 
@@ -173,7 +173,7 @@ def test_a_source_that_truncation_empties_is_refused_by_name(tiny_recipe, tmp_pa
 def test_evaluate_limit_takes_rows_of_every_source_in_turn():
     import datasets
 
-    from workbench.data.pipeline import Rows
+    from workbench.data.rows import Rows
     from workbench.outputs.evaluation import _each_row
 
     def part(name, count):

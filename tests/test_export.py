@@ -13,8 +13,8 @@ import torch
 
 from workbench import Recipe, WorkbenchError, generate, train
 from workbench.base.errors import ModelError, RecipeError
-from workbench.outputs.evaluation import evaluate, format_evaluation, greedy_answers
 from workbench.model.inference import load_for_inference
+from workbench.outputs.evaluation import evaluate, format_evaluation, greedy_answers
 from workbench.outputs.merging import merge
 
 ROOT = os.getcwd()  # conftest moved us to the project root

@@ -8,14 +8,15 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from workbench.data.pipeline import IGNORE, Collator
+from workbench.data.batches import Collator
+from workbench.data.tokens import IGNORE
+from workbench.hardware import probes
 from workbench.model.fastpath import SparseDropout, apply_fast_paths, dropped_positions, lora_fast_paths
 from workbench.model.lm_loss import (full_logits_loss_sum, head_bypassed, linear_cross_entropy_sum, lm_loss_sum,
                                      plain_head)
-from workbench.hardware import probes
-from workbench.model.packed_attention import AttentionCosts, attention_costs
 from workbench.model.packed_attention import (FORCE_ENV, PerSampleAttention, Span, _mask_of, choose_path,
                                               packed_attention, sample_spans, use_packed_attention)
+from workbench.model.packed_attention import AttentionCosts, attention_costs
 
 
 def lora_model(path, dropout=0.0, targets="all-linear", dtype=torch.float32):

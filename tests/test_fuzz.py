@@ -29,10 +29,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from workbench import DataError, Recipe, RecipeError
+from workbench.data.prepared import prepare_data
+from workbench.data.tokens import check_row, tokenize_row
 from workbench.frontends.cli import main
-from workbench.data.pipeline import check_row, prepare_data, tokenize_row
-from workbench.spec.formats import FORMAT_NAMES
 from workbench.spec.formats import FORMATS as REGISTRY
+from workbench.spec.formats import FORMAT_NAMES
 from workbench.spec.recipe import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]

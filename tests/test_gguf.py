@@ -23,8 +23,8 @@ import torch
 from conftest import FP32, ROOT
 from workbench import Recipe, export, train
 from workbench.base.errors import RecipeError, WorkbenchError
-from workbench.outputs.merging import merge
 from workbench.outputs.gguf_export import llama_cpp_rope_order, ollama_template, pre_tokenizer_name
+from workbench.outputs.merging import merge
 
 TOLERANCE = {"f16": 3e-3, "q8_0": 8e-2}
 TINY_TOLERANCE = {"f32": 1e-6, **TOLERANCE}

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from workbench import Recipe
-from workbench.model.attention import FLEX_BLOCK, mask_bytes, resolve
-from workbench.distributed.accelerator import host_transfer
-from workbench.base.errors import NonFiniteError, RecipeError
-from workbench.estimator.memory import estimate
-from workbench.rundir.runs import RunDir
-from workbench.distributed.stopping import host_reads_every_step
 from workbench import train
+from workbench.base.errors import NonFiniteError, RecipeError
+from workbench.distributed.accelerator import host_transfer
+from workbench.distributed.stopping import host_reads_every_step
+from workbench.estimator.memory import estimate
+from workbench.model.attention import FLEX_BLOCK, mask_bytes, resolve
+from workbench.rundir.runs import RunDir
 from workbench.training.parts import adamw_kernel, build_optimizer
 
 from conftest import ROOT

@@ -12,12 +12,14 @@ import sys
 import pytest
 
 from workbench import DataError, Recipe, RecipeError
-from workbench.data.pipeline import IGNORE, Collator, prepare_data, tokenize_row
+from workbench.data.batches import Collator
+from workbench.data.prepared import prepare_data
+from workbench.data.tokens import IGNORE, tokenize_row
+from workbench.rundir.runs import RunDir
 from workbench.spec.formats import detect, format_of
 from workbench.spec.objectives import objectives_reading
-from workbench.training.objectives import only_samples, sample_index
 from workbench.spec.recipe import DataSection
-from workbench.rundir.runs import RunDir
+from workbench.training.objectives import only_samples, sample_index
 
 ROW = {"prompt": "What is 2 plus 3?", "completion": "2 plus 3 is 5.", "label": True}
 

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from workbench import Recipe, RecipeError, WorkbenchError
-from workbench.frontends.cli import main
 from workbench.distributed.accelerator import check_process_count, deepspeed_config, hybrid_shard_config, verify_launch
-from workbench.hardware.current import world_size_from_env
-from workbench.spec.strategies import DDP, FSDP, SINGLE, ZERO3
-from workbench.estimator.layout_choice import resolve as resolve_layout
 from workbench.distributed.launcher import check_launcher_agrees, plan_launch
+from workbench.estimator.layout_choice import resolve as resolve_layout
+from workbench.frontends.cli import main
+from workbench.hardware.current import world_size_from_env
 from workbench.hardware.precision import resolve
+from workbench.spec.strategies import DDP, FSDP, SINGLE, ZERO3
 
 RECIPE = "recipes/tiny.yaml"
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "PMI_SIZE",

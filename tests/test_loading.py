@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from workbench import Recipe
 from workbench.base.errors import ModelError
-from workbench.spec.model_configs import checkpoint_files, describe_model
 from workbench.model.loading import load_base_model, read_without_mapping
+from workbench.spec.model_configs import checkpoint_files, describe_model
 
 from conftest import FP32, ROOT
 

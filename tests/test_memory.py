@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from workbench.hardware.catalogue import GiB, get_device, parse_bytes
 from workbench.base.errors import WorkbenchError
 from workbench.estimator.memory import estimate
-from workbench.spec.model_configs import lora_targets
+from workbench.hardware.catalogue import GiB, get_device, parse_bytes
 from workbench.spec.model_configs import describe_model, find_config, shipped_configs
+from workbench.spec.model_configs import lora_targets
 from workbench.spec.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]

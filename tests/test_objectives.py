@@ -31,8 +31,10 @@ from conftest import FP32, ROOT
 
 pytest.importorskip("trl")
 
+from workbench.data.batches import Collator
+from workbench.data.prepared import pack
+from workbench.data.tokens import IGNORE, tokenize_row
 from workbench.training import objectives
-from workbench.data.pipeline import IGNORE, Collator, pack, tokenize_row
 from workbench.training.objectives import DPO, ORPO, adapter_off_of, counts, sample_logps
 
 BETA = 0.3  # DPO's beta, not TRL's default (0.1): a beta mixed up anywhere shows
@@ -87,7 +89,7 @@ def lora_grads(model) -> dict:
 
 
 def pair_example(prompt_ids, chosen_ids, rejected_ids) -> dict:
-    """A preference example as workbench.data.pipeline.tokenize_row makes one: chosen then rejected, prompt tokens without
+    """A preference example as workbench.data.tokens.tokenize_row makes one: chosen then rejected, prompt tokens without
     labels, positions restarting at 0 for the rejected sample."""
     chosen, rejected = prompt_ids + chosen_ids, prompt_ids + rejected_ids
     return {"input_ids": chosen + rejected,

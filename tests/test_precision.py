@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from workbench import Recipe, RecipeError, estimate
 from workbench.distributed.accelerator import configure_threads
 from workbench.hardware import probes
-from workbench.hardware.probes import PROBE_ENV
 from workbench.hardware.precision import cpu_half, resolve, resolve_recipe
+from workbench.hardware.probes import PROBE_ENV
 
 NO_NATIVE_BF16 = "bf16=0.8,fp32=39"  # an AVX2-only CPU, as measured
 NATIVE_BF16 = "bf16=700,fp32=150"  # a CPU with AVX-512 BF16 / AMX

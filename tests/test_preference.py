@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from workbench import DataError, Recipe, RecipeError, WorkbenchError
-from workbench.data.pipeline import IGNORE, Collator, prepare_data, sample_starts, tokenize_row
-from workbench.spec.formats import FORMAT_NAMES, FORMATS, detect, format_of
-from workbench.training.objectives import counts, sample_index
-from workbench.spec.recipe import DataSection
+from workbench.data.batches import Collator, sample_starts
+from workbench.data.prepared import prepare_data
+from workbench.data.tokens import IGNORE, tokenize_row
 from workbench.rundir.runs import RunDir
+from workbench.spec.formats import FORMAT_NAMES, FORMATS, detect, format_of
+from workbench.spec.recipe import DataSection
+from workbench.training.objectives import counts, sample_index
 
 PAIR = {"prompt": "What is 2 plus 3?", "chosen": "2 plus 3 is 5.", "rejected": "2 plus 3 is 6."}
 

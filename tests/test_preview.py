@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.data.pipeline import IGNORE, load_rows, prepare_data, tokenize_row
+from workbench.data.prepared import prepare_data
+from workbench.data.rows import load_rows
+from workbench.data.tokens import IGNORE, tokenize_row
 from workbench.model.loading import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

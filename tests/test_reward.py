@@ -71,7 +71,7 @@ def test_the_estimate_leaves_out_the_lm_head_and_its_logits():
 def test_a_pair_that_truncation_cuts_is_left_out_and_counted(tmp_path, tiny_tokenizer, monkeypatch):
     """A reward is read at a sample's last token: in a cut answer that is mid-answer, so a reward model leaves the
     pair out (other objectives train on what truncation keeps)."""
-    from workbench.data.pipeline import prepare_data
+    from workbench.data.prepared import prepare_data
     from workbench.spec.recipe import DataSection
 
     monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
@@ -135,7 +135,8 @@ def test_the_saved_adapter_is_a_standard_sequence_classifier_adapter(trained):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from workbench.data.pipeline import Collator, tokenize_pair, tokenize_row
+    from workbench.data.tokens import tokenize_pair, tokenize_row
+    from workbench.data.batches import Collator
     from workbench.outputs.merging import merge
     from workbench.model.loading import resolve_model_path
     from workbench.training.objectives import sequence_rewards

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from workbench.frontends.cli import main
 from workbench.base.errors import RecipeError
+from workbench.frontends.cli import main
 from workbench.model.loading import load_base_model, load_config, resolve_model_path
-from workbench.training.preflight import check_context_length
 from workbench.spec.recipe import LONGEST_TRAINED_CONTEXT, Recipe
+from workbench.training.preflight import check_context_length
 
 FP32 = ["model.dtype=float32", "training.mixed_precision=no", "training.threads=1"]
 

@@ -4,10 +4,10 @@ compatibility rules checked on the layout that really runs (no processes are sta
 import pytest
 
 from workbench import Recipe, RecipeError
+from workbench.estimator.layout_choice import resolve
 from workbench.estimator.memory import estimate
 from workbench.spec.strategies import (DDP, FSDP, FSDP_HYBRID, FSDP_OFFLOAD, SINGLE, ZERO1, ZERO2, ZERO3,
                                        ZERO3_OFFLOAD, Layout, by_name, candidates, layout_of)
-from workbench.estimator.layout_choice import resolve
 
 RECIPE = "recipes/tiny.yaml"
 

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from run_files import resumed_from_its_checkpoint
-from workbench.data import streaming
 from workbench import train
-from workbench.frontends.cli import main
-from workbench.data.pipeline import STAND_IN, Collator, prepare_data, sample_starts, tokenize_data
 from workbench.base.errors import DataError
+from workbench.data import streaming
+from workbench.data.batches import STAND_IN, Collator, sample_starts
+from workbench.data.prepared import prepare_data, tokenize_data
+from workbench.data.streaming import StreamBatches, StreamedExamples
+from workbench.frontends.cli import main
 from workbench.model.loading import load_tokenizer
 from workbench.rundir.runs import RunDir
-from workbench.data.streaming import StreamBatches, StreamedExamples
 
 STREAMED = ("data.streaming=true", "training.max_steps=4")
 

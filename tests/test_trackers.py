@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from workbench import RecipeError, WorkbenchError, train
-from workbench.frontends.cli import main
 from workbench.base.metrics import read_metrics
-from workbench.training.preflight import preflight
 from workbench.distributed.trackers import check_tracker_packages, prepare_trackers, summary_figures
+from workbench.frontends.cli import main
 from workbench.training.parts import _flat
+from workbench.training.preflight import preflight
 
 RESOLVED_BY_THE_RUN = {"model.attn", "distributed.strategy"}  # `auto` in the recipe, concrete in the run's config
 

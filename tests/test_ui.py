@@ -22,8 +22,8 @@ from ui.handlers import COLUMNS, TABLE_HEADERS, Handlers, display_table  # noqa:
 from ui.jobs import JobRegistry  # noqa: E402
 from ui.workspace import PathError, Workspace  # noqa: E402
 from workbench import Recipe, RecipeError  # noqa: E402
-from workbench.spec.formats import FORMAT_NAMES
 from workbench.rundir.runs import COMPARE_COLUMNS
+from workbench.spec.formats import FORMAT_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

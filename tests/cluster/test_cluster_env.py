@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from workbench.frontends.cli import _resume_auto, build_parser, main
-from workbench.distributed.cluster_env import launch_defaults
 from workbench.base.errors import RecipeError
+from workbench.distributed.cluster_env import launch_defaults
+from workbench.distributed.stopping import STOP_SIGNAL_ENV, parse_signal, stop_signals
+from workbench.frontends.cli import _resume_auto, build_parser, main
 from workbench.hardware.current import cgroup_cpu_quota
 from workbench.rundir.runs import RunLock, load_run
-from workbench.distributed.stopping import STOP_SIGNAL_ENV, parse_signal, stop_signals
 
 RECIPE = "recipes/tiny.yaml"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from workbench.base.errors import WorkbenchError
-from workbench.spec.recipe import Recipe, _sections_in, path_fields
 from workbench.rundir.runs import RunDir
+from workbench.spec.recipe import Recipe, _sections_in, path_fields
 
 from .helpers import COMMON, RECIPE, adapter, assert_same_adapter, finish, free_port, logged_step, losses, start, \
     summary, wait_for

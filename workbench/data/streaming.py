@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Iterator
 
 from workbench.base.errors import DataError
-from workbench.data.pipeline import (LOCAL_FORMATS, STAND_IN, PreparedData, Rows, SourceData, TokenizedData,
-                                     best_fit_decreasing, chat_template_digest, check_row, check_utf8, csv_as_text,
-                                     empty_cell, evaluation_examples, every_answer_truncated, every_example_cut,
-                                     first_line, json_lines, json_row, load_rows, row_check, text_problem,
-                                     tokenize_row, tokenize_rows)
+from workbench.data.batches import STAND_IN
+from workbench.data.prepared import (PreparedData, SourceData, TokenizedData, best_fit_decreasing,
+                                     chat_template_digest, evaluation_examples, every_answer_truncated,
+                                     every_example_cut, row_check, tokenize_rows)
+from workbench.data.rows import (LOCAL_FORMATS, Rows, check_utf8, csv_as_text, empty_cell, first_line, json_lines,
+                                 json_row, load_rows, text_problem)
+from workbench.data.tokens import check_row, tokenize_row
 from workbench.spec.formats import format_of
 
 PACK_WINDOW = 2_000  # samples binned together: within 1% of packing the whole set, on alpaca-like lengths

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from workbench.data.pipeline import IGNORE
+from workbench.data.tokens import IGNORE
 CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MB in float32, whatever the vocabulary
 # config fields by which some models scale or cap their logits after the head (the chunked path does not)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workbench.data.pipeline import sample_starts
+from workbench.data.batches import sample_starts
 from workbench.hardware.current import cpu_model_name
 from workbench.hardware.probes import measured, once, stored
 

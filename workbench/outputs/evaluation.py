@@ -2,7 +2,7 @@
 
 Two kinds of numbers:
 - eval loss and perplexity: token-weighted over the answer tokens, with exactly the tokenization
-  and prompt masking that training used (`workbench.data.pipeline.tokenize_row`), so they are comparable
+  and prompt masking that training used (`workbench.data.tokens.tokenize_row`), so they are comparable
   with the run's own eval_loss;
 - answer accuracy: the greedy answer to each prompt against the reference (the last assistant
   message / output / completion): exact match (both stripped) and "contains" (the reference appears
@@ -23,7 +23,10 @@ import torch
 
 from workbench.base.errors import DataError, RecipeError, WorkbenchError
 from workbench.base.quiet import leaves_the_process_as_found
-from workbench.data.pipeline import IGNORE, Collator, Rows, held_out_indices, load_rows, tokenize_row
+from workbench.data.batches import Collator
+from workbench.data.prepared import held_out_indices
+from workbench.data.rows import Rows, load_rows
+from workbench.data.tokens import IGNORE, tokenize_row
 from workbench.model.inference import load_for_inference, stop_token_ids
 from workbench.model.lm_loss import lm_loss_sum
 from workbench.rundir.runs import RunDir, load_run

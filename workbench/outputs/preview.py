@@ -15,8 +15,8 @@ from pathlib import Path
 from workbench.base.errors import DataError, RecipeError, printable
 from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.data import streaming
-from workbench.data.pipeline import (IGNORE, check_trainable, drop_empty, pack, tokenize_data, tokenize_pair,
-                                     tokenize_row, whole_training_examples)
+from workbench.data.prepared import check_trainable, drop_empty, pack, tokenize_data, whole_training_examples
+from workbench.data.tokens import IGNORE, tokenize_pair, tokenize_row
 from workbench.model.loading import load_tokenizer
 from workbench.spec.formats import format_of
 from workbench.spec.recipe import Recipe

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from workbench.data.pipeline import IGNORE, sample_starts
+from workbench.data.batches import sample_starts
+from workbench.data.tokens import IGNORE
 from workbench.model.lm_loss import CHUNK_ELEMENTS, causal_lm_of, head_bypassed, plain_head
 
 # the counts vector: what losses are normalised by, and KTO's KL estimate (summed log-ratios, samples)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.base.errors import WorkbenchError, reported_as_write_error
-from workbench.data.pipeline import STAND_IN
+from workbench.data.batches import STAND_IN
 from workbench.distributed.accelerator import full_state_dict, host_transfer, unwrap
 from workbench.distributed.trackers import log_to_trackers
 from workbench.model.inference import Answer, answer

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
 from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
-from workbench.data.pipeline import (STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows,
-                                     prepare_data)
+from workbench.data.batches import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows
+from workbench.data.prepared import prepare_data
 from workbench.data.streaming import StreamBatches, stream_data
 from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary, build_accelerator,
                                                collective_failure, collective_timeout, configure_threads,
