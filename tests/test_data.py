@@ -355,6 +355,35 @@ def test_a_long_row_keeps_the_tokens_of_the_whole_row(tiny_tokenizer, monkeypatc
     assert cut == whole and cut["truncated"] and len(cut["input_ids"]) == 300
 
 
+def _many_turns(count: int) -> list[dict]:
+    return [{"role": ("user", "assistant")[k % 2], "content": "ab"[k % 2]} for k in range(count)]
+
+
+@pytest.mark.parametrize("fmt, row", [
+    ("chat", {"messages": _many_turns(400)}),
+    ("preference", {"prompt": _many_turns(399), "chosen": "yes", "rejected": "no"}),
+    ("unpaired", {"prompt": _many_turns(399), "completion": "yes", "label": True}),
+])
+@pytest.mark.parametrize("train_on", ["completions", "all"])
+def test_a_row_of_many_messages_is_rendered_only_as_far_as_truncation_keeps_it(tiny_tokenizer, monkeypatch, fmt,
+                                                                               row, train_on):
+    """Every prefix of a conversation is rendered: a row of thousands of messages would cost work quadratic in its
+    length. Rendering stops once the segments hold what max_seq_len keeps, which gives the whole row's sample."""
+    import workbench.data.tokens as data
+    from workbench.spec import chat_templates
+
+    renders = []
+    real_render = chat_templates.render
+    monkeypatch.setattr(chat_templates, "render", lambda *a, **k: renders.append(1) or real_render(*a, **k))
+    section = cfg(format=fmt, train_on=train_on, max_seq_len=64)
+    cut = tokenize_row(row, tiny_tokenizer, section, "x:1")
+    assert len(renders) < 100  # a few per message kept, not per message of the row
+    monkeypatch.setattr(data, "_kept_counter", lambda *_: lambda: lambda text, is_answer: False)  # render it whole
+    whole = tokenize_row(row, tiny_tokenizer, section, "x:1")
+    assert len(renders) > 400
+    assert cut == whole and cut["truncated"]
+
+
 def test_a_long_row_costs_memory_bounded_by_max_seq_len_not_by_its_length(tmp_path):
     """Tokenizing costs ~175 bytes per character: a row of some MB is cut before, not after, so that reading it
     takes a small multiple of its own size (run alone, so the peak is this row's)."""

@@ -42,6 +42,26 @@ def leading_ids(tokenizer, text: str, wanted: int) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _kept_counter(tokenizer, cfg: DataSection):
+    """A counter per sequence for formats.rendering_until: told each segment, true once those it was told hold
+    more tokens than max_seq_len (counted as tokenize_segments counts them), when the rest would be cut anyway."""
+
+    def counter():
+        count = 0
+
+        def kept_all(text: str, is_answer: bool) -> bool:
+            nonlocal count
+            wanted = cfg.max_seq_len + 1 - count
+            if wanted > 0:
+                ids = leading_ids(tokenizer, text, wanted)
+                count += len(ids) + (is_answer and tokenizer.eos_token_id not in ids)
+            return count > cfg.max_seq_len
+
+        return kept_all
+
+    return counter
+
+
 def tokenize_segments(segments, tokenizer, cfg: DataSection) -> dict:
     """One sample: token ids, labels (IGNORE where no loss is taken), truncated to data.max_seq_len."""
     input_ids: list[int] = []
@@ -148,7 +168,8 @@ def _rendered(render, row: dict, tokenizer, cfg: DataSection, where: str):
     from jinja2 import TemplateError
 
     try:
-        return render(row, tokenizer, cfg.system_prompt, where)
+        with formats.rendering_until(_kept_counter(tokenizer, cfg)):  # no prefix past what truncation keeps
+            return render(row, tokenizer, cfg.system_prompt, where)
     except TemplateError as err:
         raise DataError(f"{where}: {template_name(cfg)} refuses this row: {first_line(err)}") from None
     except TemplateBudgetError as err:

@@ -13,6 +13,8 @@ with another row's answer to the same prompt, the mismatched sample KTO estimate
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,12 +77,31 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
 # -- rendering ----------------------------------------------------------------------------------
 
 
-def chat_segments(tokenizer, messages: list[dict]) -> Segments:
-    """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes."""
+# Truncation keeps a sample's first tokens only. While tokenization sets it (`rendering_until`), this makes for each
+# sequence a counter, told every segment, that says when the segments so far hold all that truncation keeps:
+# chat_segments then stops, as a row of thousands of short messages would cost a render of every prefix (quadratic).
+_KEPT: ContextVar[Callable[[], Callable[[str, bool], bool]] | None] = ContextVar("workbench_kept", default=None)
+
+
+@contextmanager
+def rendering_until(counter: Callable[[], Callable[[str, bool], bool]]):
+    """chat_segments within this block renders no further than `counter()` (one per sequence) asks."""
+    token = _KEPT.set(counter)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def chat_segments(tokenizer, messages: list[dict], last_answer_only: bool = False) -> Segments:
+    """Split a rendered conversation into (text, is_answer) pieces, by rendering growing prefixes.
+    last_answer_only: only the last message's answer is learned (the others belong to the prompt)."""
 
     def render(msgs, generation_prompt=False):
         return chat_templates.render(tokenizer, msgs, add_generation_prompt=generation_prompt)
 
+    make_counter = _KEPT.get()
+    kept_all = make_counter() if make_counter else (lambda text, is_answer: False)
     segments, previous = [], ""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
@@ -88,13 +109,17 @@ def chat_segments(tokenizer, messages: list[dict]) -> Segments:
             full = render(messages[: i + 1])
             if not (prompt.startswith(previous) and full.startswith(prompt)):
                 raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
-            segments += [(prompt[len(previous):], False), (full[len(prompt):], True)]
+            learned = not last_answer_only or i == len(messages) - 1
+            new = [(prompt[len(previous):], False), (full[len(prompt):], learned)]
         else:
             full = render(messages[: i + 1])
             if not full.startswith(previous):
                 raise ModelError("the tokenizer's chat template does not render conversations prefix by prefix")
-            segments.append((full[len(previous):], False))
+            new = [(full[len(previous):], False)]
+        segments += new
         previous = full
+        if any([kept_all(text, is_answer) for text, is_answer in new]):  # a list: the counter sees every segment
+            break
     return segments
 
 
@@ -301,9 +326,7 @@ def answer_segments(prompt: list[dict], answer: str, tokenizer, where: str) -> S
     belong to the prompt)."""
     messages = [*prompt, {"role": "assistant", "content": answer}]
     if tokenizer.chat_template:
-        segments = chat_segments(tokenizer, messages)
-        final = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
-        return [(text, is_answer and i == final) for i, (text, is_answer) in enumerate(segments)]
+        return chat_segments(tokenizer, messages, last_answer_only=True)
     if len(prompt) == 1 and prompt[0]["role"] == "user":  # a plain prompt and its continuation
         return [(prompt[0]["content"], False), (answer, True)]
     raise DataError(f"{where}: a conversation needs a tokenizer with a chat template "
