@@ -408,3 +408,36 @@ def test_a_long_row_costs_memory_bounded_by_max_seq_len_not_by_its_length(tmp_pa
     chars, grown = map(int, done.stdout.split())
     assert chars > 4_000_000
     assert grown < 8 * chars, f"reading a row of {chars:,} characters took {grown:,} more bytes of memory"
+
+
+@pytest.fixture(scope="module")
+def unigram_tokenizers():
+    """SentencePiece-like tokenizers (a Unigram model after Metaspace), trained here on the tiny corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from workbench.base.builtin import _tiny_corpus
+
+    corpus = _tiny_corpus() + ["x" * n for n in range(1, 50)] + [" " * n + "y" for n in range(1, 40)]
+    made = {}
+    for split in (True, False):
+        model = Tokenizer(models.Unigram())
+        model.pre_tokenizer = pre_tokenizers.Metaspace(split=split)
+        model.train_from_iterator(corpus, trainer=trainers.UnigramTrainer(
+            vocab_size=600, special_tokens=["<unk>", "</s>"], unk_token="<unk>", show_progress=False))
+        made[split] = PreTrainedTokenizerFast(tokenizer_object=model, eos_token="</s>", unk_token="<unk>")
+    return made
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("text", ["x" * 5000, "a" + " " * 5000 + "b", "xx yy " * 2000, "".join(
+    "abcxyz"[k * k % 6] for k in range(5000))])
+@pytest.mark.parametrize("wanted", [1, 20, 129])
+def test_a_cut_keeps_the_whole_texts_tokens_with_a_unigram_model(unigram_tokenizers, split, text, wanted):
+    """A Unigram model chooses a word's tokens over the whole word: a text cut inside a long word may start with
+    other tokens than the whole text, so the kept tokens are those of words that end before the cut."""
+    from workbench.data.tokens import leading_ids
+
+    tokenizer = unigram_tokenizers[split]
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert leading_ids(tokenizer, text, wanted)[:wanted] == whole[:wanted]

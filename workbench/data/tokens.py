@@ -24,22 +24,36 @@ def check_row(row: dict, fmt: str, where: str) -> None:
 
 # Tokenizing takes ~175 bytes of memory per character of text: a 50 MB line would take 9 GB only to be cut to
 # data.max_seq_len tokens. So a text is tokenized only as far as truncation keeps it: cut after enough characters
-# for the tokens still wanted and a margin, the first guess doubled until the cut text gives that many. A cut
-# changes only the last few tokens before it, which the margin holds: the tokens kept are the whole text's own.
+# for the tokens still wanted and a margin, the first guess doubled until the cut text gives that many. A BPE or
+# WordPiece model changes only the last few tokens before a cut, which the margin holds. A Unigram model
+# (SentencePiece's) chooses a word's tokens over the whole word, so a cut inside a word can change its first
+# tokens however far back they are: there the kept tokens must end before the word the cut falls in (a text
+# without spaces, or a tokenizer that does not split words, Metaspace(split=False), is so tokenized whole).
 CUT_MARGIN = 64  # tokens tokenized past those kept
 CHARS_PER_TOKEN = 8  # the first guess (text holds 3 to 5 characters per token; a longer token is found by doubling)
 
 
 def leading_ids(tokenizer, text: str, wanted: int) -> list[int]:
     """The token ids of `text`, or its first `wanted` (or more) where it holds more: what truncation keeps of it,
-    found with memory bounded by `wanted` rather than by the text's length."""
+    found with memory bounded by `wanted` rather than by the text's length where the text has word boundaries."""
     chars = (wanted + CUT_MARGIN) * CHARS_PER_TOKEN
+    whole_words = _chooses_over_words(tokenizer)
     while chars < len(text):
-        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        encoding = tokenizer(text[:chars], add_special_tokens=False)
+        ids = encoding["input_ids"]
         if len(ids) >= wanted + CUT_MARGIN:
-            return ids[:wanted]
+            words = encoding.word_ids() if whole_words else [None]
+            if words[-1] is None or words[-1] not in words[:wanted]:  # the kept tokens' words end before the cut
+                return ids[:wanted]
         chars *= 2
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _chooses_over_words(tokenizer) -> bool:
+    """Whether the tokenizer's model picks each word's tokens over the whole word (Unigram) and tells the words
+    (a fast tokenizer). A slow SentencePiece tokenizer tells no words: its cuts are taken as BPE's."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and type(backend.model).__name__ == "Unigram"
 
 
 def _kept_counter(tokenizer, cfg: DataSection):
