@@ -245,12 +245,46 @@ CHATML_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + 
     ("{{ range(99999)|join('x' * 99999) }}", r"calls join for a value of more than"),
     ("{{ ('x' * 9999999).join(['a'] * 9999) }}", r"calls join for a value of more than"),
     ("{{ ('x' * 99999)|replace('x', 'y' * 99999) }}", r"calls replace for a value of more than"),
+    ("{% set ns = namespace(x=10) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+     r"computes a number of more than"),
+    ("{{ 10 ** 999999999 }}", r"computes a number of more than"),
+    ("{{ [1]|slice(400000000)|list|length }}", r"asks slice for a count of more than"),
+    ("{% set x = [0] * 100000 %}{{ ([x] * 1000)|sum(start=[])|length }}", r"repeats a sequence 1,000 times"),
+    ("{% set x = [0] * 1000000 %}{{ ([x] * 1000)|sum(start=[])|length }}", r"ran past [\d,]+ loop"),
+    ("{% set x = [0] * 500000 %}{{ [x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x]|sum(start=[]) }}",
+     r"gives sum a value of more than"),
+    ("{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = [ns.x, ns.x] %}{% endfor %}{{ ns.x }}",
+     r"wrote more than"),
+    ("{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = [ns.x, ns.x] %}{% endfor %}"
+     "{{ ns.x|tojson|length }}", r"gives tojson a value of more than"),
+    ("{{ ('{0}' * 10000).format('x' * 1000000)|length }}", r"calls format for a value of more than"),
+    ("{{ (('%(a)s' * 10000) % {'a': 'x' * 1000000})|length }}", r"calls % for a value of more than"),
+    ("{{ ('%(a)s' * 10000)|format(a='x' * 1000000)|length }}", r"calls format for a value of more than"),
+    ("{{ ('%*d' % (1000000000, 1))|length }}", r"calls % for a value of more than"),
+    ("{{ '{:>{}}'.format('x', 1000000000)|length }}", r"calls format for a value of more than"),
+    ("{{ ('a\n' * 100000)|indent('b' * 100000, true)|length }}", r"asks indent for a width of more than"),
+    ("{{ ('a ' * 100000)|wordwrap(1, true, 'x' * 100000)|length }}", r"calls wordwrap for a value of more than"),
+    ("{{ [[[1]]]|tojson(indent=400000000)|length }}", r"asks tojson for a width of more than"),
+    ("{{ [1]|batch(400000000, 0)|list|length }}", r"asks batch for a count of more than"),
+    ("{% macro dbl(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(x='ab') %}{% for i in range(40) %}"
+     "{% set ns.x = dbl(ns.x) %}{% endfor %}{{ ns.x|length }}", r"wrote more than"),
+    ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set y %}{{ ns.x }}{{ ns.x }}{% endset %}"
+     "{% set ns.x = y %}{% endfor %}{{ ns.x|length }}", r"wrote more than"),
 ])
 def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack, message):
-    """Jinja's sandbox caps one range(), not two nested ones: the work of a render has a budget of its own."""
+    """Jinja's sandbox caps one range(), not two nested ones: the work of a render has a budget of its own, and
+    what one operation would build is estimated before it is built."""
     (tmp_path / "t.jinja").write_text(attack + CHATML_TURNS)
     with pytest.raises(RecipeError, match=rf"^data.chat_template: .*t.jinja cannot render a user message and a "
                                           rf"reply: it {message}"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
+
+
+@pytest.mark.parametrize("name", ["lipsum", "cycler", "joiner"])
+def test_jinjas_globals_no_chat_template_uses_are_not_given(tmp_path, name):
+    """lipsum(10**8) writes 10**8 words in one call: jinja's globals that no chat template uses are left out."""
+    (tmp_path / "t.jinja").write_text(f"{{{{ {name}(100000000) }}}}" + CHATML_TURNS)
+    with pytest.raises(RecipeError, match=rf"t.jinja cannot render a user message and a reply: '{name}' is undefined"):
         load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
 
 

@@ -15,8 +15,11 @@ a token after the last turn only.
 Every template, registered or not, is rendered by `render` in a sandbox that bounds its work: a template is code
 from a file or a hub repository, and Jinja's own sandbox caps one `range()` but not two nested ones. A render
 that runs past `STEPS` loop iterations and calls, or writes more than `OUTPUT_CHARS` characters beyond what its
-messages hold, stops with `TemplateBudgetError`. A budget counted in the sandbox, rather than a timer, works in
-any thread (the UI renders in its server's) and changes nothing in the process that imports this module.
+messages hold, stops with `TemplateBudgetError`. What one operation would build (a string repeated or formatted,
+a width, a count, an integer squared, a list nested in itself) is estimated from what it is given and refused
+before it is built, and what `{{ … }}` writes is charged where it is written, inside a macro or a `{% set %}`
+block too. A budget counted in the sandbox, rather than a timer, works in any thread (the UI renders in its
+server's) and changes nothing in the process that imports this module.
 """
 
 from __future__ import annotations
@@ -173,6 +176,7 @@ class TemplateBudgetError(TemplateFailure):
 class _Budget:
     def __init__(self, steps: int, output: int):
         self.steps, self.output, self.limit = steps, output, output
+        self.known: dict[int, int] = {}  # id -> _size of the messages, which live as long as the render
 
     def step(self, count: int = 1) -> None:
         self.steps -= count
@@ -194,40 +198,135 @@ def _charge(count: int = 1) -> None:
         budget.step(count)
 
 
-def _bounded(value):
-    """A value a template builds (`a ~ b`, `a + b`) no longer than the render may write: doubling a string in a
-    loop would otherwise fill the memory in a few dozen steps."""
+def _limit() -> int | None:
     budget = _BUDGET.get()
-    if budget is not None and hasattr(value, "__len__") and len(value) > budget.limit:
-        raise TemplateBudgetError(f"it builds a value of more than {budget.limit:,} characters")
+    return None if budget is None else budget.limit
+
+
+def _size(value, counts: bool = False, _seen: dict | None = None) -> int:
+    """About how many characters `value` takes written out, nested values included: a shared item counts each
+    time it occurs but is measured once (a list holding itself twice, doubled forty times, is 2**40 items long
+    written out, and measured in forty steps). counts: an int is a count or a width (its value), not its digits.
+    The render's messages are measured once, when it starts (a template may pass them to a filter every turn)."""
+    from jinja2 import Undefined
+
+    if isinstance(value, Undefined):
+        return 0  # written as nothing
+    if isinstance(value, bool) or value is None:
+        return 4
+    if isinstance(value, int):
+        return abs(value) if counts else value.bit_length() // 3 + 1
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if not isinstance(value, (list, tuple, dict, set, frozenset)):
+        return 16  # a float, a namespace, a macro: written short
+    budget = _BUDGET.get()
+    if budget is not None and id(value) in budget.known:
+        return budget.known[id(value)]
+    seen = {} if _seen is None else _seen
+    if id(value) not in seen:
+        _charge(len(value))  # each item measured is a step: measuring is work too
+        seen[id(value)] = 0  # a container holding itself is measured once
+        items = (*value.keys(), *value.values()) if isinstance(value, dict) else value
+        seen[id(value)] = 2 + sum(_size(item, False, seen) + 2 for item in items)
+    return seen[id(value)]
+
+
+def _bounded(value):
+    """A value a template builds (`a ~ b`, `a + b`, a call's or a filter's result) no larger than the render may
+    write: doubling a string or a list in a loop would otherwise fill the memory in a few dozen steps."""
+    limit = _limit()
+    if limit is not None and _size(value) > limit:
+        raise TemplateBudgetError(f"it builds a value of more than {limit:,} characters")
     return value
 
 
-# What can build a value past the output budget in one operation, before the budget could see it
-_WIDTHS = {"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap"}  # their numbers are widths
+def _written(value):
+    """What `{{ … }}` writes, charged to the output before it is made text: output a macro or a `{% set %}` block
+    collects is charged too, and a value that would be written longer than the budget is never made text."""
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.write(_size(value))
+    return value
+
+
+# What can build a value past the output budget in one operation, before the budget could see it: the result is
+# estimated from the sizes of what the operation is given, and refused before it is made.
+_WIDTHS = {"center", "ljust", "rjust", "zfill", "truncate"}  # their numbers are widths: at most the widest
 _FORMATS = {"format", "format_map", "%"}  # their string is a format, whose widths are in it
 _HUGE_FORMAT = re.compile(r"%[-+ #0]*\d*\.?\d{8,}|\{[^{}]*:[^{}]*\d{8,}[^{}]*\}")  # '%0999999999d', '{:>999999999}'
+_WIDTH_FROM_ARGUMENT = re.compile(r"%[-+ #0]*(\*|\d*\.\*)|\{[^{}]*:[^{}]*\{")  # '%*d', '{:>{}}': a width given
+INT_BITS = 4096  # an integer a template computes: a chat template counts turns, not 10**(10**9)
+
+
+def _estimate(name: str, subject, args, kwargs) -> int:
+    """An upper bound of the size of what `name` makes of `subject` given these arguments."""
+    values = (*args, *kwargs.values())
+    if name in _FORMATS:  # each field may write the largest argument; a width given as an argument counts as one
+        counts = isinstance(subject, str) and bool(_WIDTH_FROM_ARGUMENT.search(subject))
+        arguments = [v for value in values for v in (value.values() if isinstance(value, dict) else
+                                                      value if isinstance(value, (list, tuple)) else [value])]
+        fields = subject.count("{") + subject.count("%") if isinstance(subject, str) else 1
+        return _size(subject) + fields * sum(_size(v, counts) for v in arguments)
+    widths = sum(_size(v, counts=True) for v in values)
+    text = subject if isinstance(subject, str) else ""
+    if name in _WIDTHS:
+        return _size(subject) + widths
+    repeats = {  # how many times the arguments may be written into the result
+        "indent": text.count("\n") + 1,
+        "expandtabs": text.count("\t"),
+        "wordwrap": len(text) // max(args[0] if args and isinstance(args[0], int) else 1, 1) + 1,
+        "replace": (text.count(args[0]) if args and isinstance(args[0], str) and args[0] else len(text) + 1),
+        "join": len(subject) if isinstance(subject, (str, list, tuple)) else 1,
+        "tojson": _size(subject),  # an indent on every line
+        "batch": 1, "slice": 1,
+    }.get(name)
+    if repeats is None:
+        return 0  # measured once made (_bounded)
+    return _size(subject) + repeats * widths
 
 
 def _checked_arguments(name: str, subject, args, kwargs) -> None:
-    """Refuse, before it is built, a value that one call or filter would make longer than the output budget: a width
-    of more than OUTPUT_CHARS (`'x'|center(10**9)`), a format with such a width, a replacement or a join that long.
-    `subject`: the string or sequence the call works on (a method's string, a filter's value)."""
+    """Refuse, before it is built, a value that one call or filter would make larger than the output budget: a
+    width, count or indent past it (`'x'|center(10**9)`, `[1]|batch(10**9, 0)`), a format with such a width, a
+    replacement, a join or a format whose result would be that long, or an argument already that large written
+    out. `subject`: the string or sequence the call works on (a method's string, a filter's value)."""
+    limit = _limit()
+    if limit is None:
+        return
     values = (*args, *kwargs.values())
-    if name in _WIDTHS and any(isinstance(v, int) and abs(v) > OUTPUT_CHARS for v in values):
-        raise TemplateBudgetError(f"it asks {name} for a width of more than {OUTPUT_CHARS:,} characters")
     if name in _FORMATS and isinstance(subject, str) and _HUGE_FORMAT.search(subject):
         raise TemplateBudgetError(f"it formats with a width of more than {OUTPUT_CHARS:,} characters")
-    size = None
-    if name == "replace" and isinstance(subject, str) and len(args) >= 2 and isinstance(args[1], str):
-        size = len(subject) + (len(subject) + 1) * len(args[1])  # every position of the subject replaced, at most
-    elif name == "join" and isinstance(subject, (str, list, tuple)):
-        separator = str(args[0]) if args else ""
-        items = len(subject) if isinstance(subject, str) else sum(len(str(item)) for item in subject)
-        size = items + len(separator) * len(subject)
-    budget = _BUDGET.get()
-    if size is not None and budget is not None and size > budget.limit:
-        raise TemplateBudgetError(f"it calls {name} for a value of more than {budget.limit:,} characters")
+    if name not in _FORMATS and any(isinstance(v, int) and _size(v, counts=True) > limit for v in values):
+        what = "width" if name in _WIDTHS or name in ("indent", "wordwrap", "tojson", "expandtabs") else "count"
+        raise TemplateBudgetError(f"it asks {name} for a {what} of more than {limit:,} characters")
+    if any(_size(v) > limit for v in (subject, *values)):
+        raise TemplateBudgetError(f"it gives {name} a value of more than {limit:,} characters")
+    if _estimate(name, subject, args, kwargs) > limit:
+        if name in _WIDTHS or name == "indent":
+            raise TemplateBudgetError(f"it asks {name} for a width of more than {limit:,} characters")
+        raise TemplateBudgetError(f"it calls {name} for a value of more than {limit:,} characters")
+
+
+def _checked_binop(operator: str, left, right) -> None:
+    """Refuse an operation whose result would outgrow the budget, before it is computed: a sequence repeated, an
+    integer past INT_BITS, a format."""
+    limit = _limit()
+    if limit is None:
+        return
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right))
+    if operator == "*" and not numbers:
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and _size(seq) * times > limit:
+                raise TemplateBudgetError(f"it repeats a sequence {times:,} times (over {limit:,} characters)")
+    if operator == "%" and isinstance(left, str):
+        _checked_arguments("%", left, (right,), {})
+    if not (numbers and isinstance(left, int) and isinstance(right, int)):
+        return
+    bits = {"*": left.bit_length() + right.bit_length(), "+": max(left.bit_length(), right.bit_length()) + 1,
+            "**": left.bit_length() * max(right, 0) if abs(left) > 1 else 1}.get(operator, 0)
+    if bits > INT_BITS:
+        raise TemplateBudgetError(f"it computes a number of more than {INT_BITS:,} bits")
 
 
 def _counted(iterable):
@@ -238,9 +337,11 @@ def _counted(iterable):
 
 
 def _checked_filter(name: str, function):
-    """A filter charged a step and its arguments checked (_checked_arguments): the compiled template calls filters
-    directly, not through the sandbox's `call`."""
+    """A filter charged a step, its arguments checked (_checked_arguments), its result measured (_bounded) and,
+    where it yields items one by one, each item charged a step: the compiled template calls filters directly, not
+    through the sandbox's `call`."""
     from functools import wraps
+    from types import GeneratorType
 
     skip = 1 if getattr(function, "jinja_pass_arg", None) else 0  # the context or environment comes first
 
@@ -250,10 +351,11 @@ def _checked_filter(name: str, function):
         if len(args) > skip:
             subject = args[skip]
             if name == "join" and not isinstance(subject, str):
-                subject = list(subject)
+                subject = list(_counted(subject))
                 args = (*args[:skip], subject, *args[skip + 1:])
             _checked_arguments(name, subject, args[skip + 1:], kwargs)
-        return function(*args, **kwargs)
+        result = function(*args, **kwargs)
+        return _counted(result) if isinstance(result, GeneratorType) else _bounded(result)
 
     return checked
 
@@ -301,31 +403,23 @@ def _environment():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  jinja's own signature
             _charge()
+            if isinstance(__obj, jinja2.Undefined):  # `lipsum(10**8)`, no longer defined: jinja's own error
+                return super().call(__context, __obj, *args, **kwargs)
             if isinstance(__obj, jinja2.runtime.LoopContext) and args:  # a recursive loop's `loop(children)`
                 args = (_counted(args[0]), *args[1:])
             method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format in a function of its own
             name, owner = getattr(method, "__name__", ""), getattr(method, "__self__", None)
-            if isinstance(owner, str):  # a string's method: 'x'.ljust(n), '{:>9}'.format(x), ', '.join(items)
-                if name == "join" and args:
-                    items = list(args[0])
-                    _checked_arguments("join", items, (owner,), {})
-                    args = (items, *args[1:])
-                else:
-                    _checked_arguments(name, owner, args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
+            if name == "join" and isinstance(owner, str) and args:  # ', '.join(items): the items counted
+                args = (list(_counted(args[0])), *args[1:])
+                _checked_arguments("join", args[0], (owner,), {})
+            elif isinstance(owner, str):  # a string's method: 'x'.ljust(n), '{:>9}'.format(x)
+                _checked_arguments(name, owner, args, kwargs)
+            else:  # a macro, a global, a method of a list or a dict: its arguments
+                _checked_arguments(name or getattr(__obj, "name", "a call"), None, args, kwargs)
+            return _bounded(super().call(__context, __obj, *args, **kwargs))
 
         def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                for seq, times in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
-                            len(seq) * times > OUTPUT_CHARS:
-                        raise TemplateBudgetError(f"it repeats a sequence {times:,} times (over {OUTPUT_CHARS:,} "
-                                                  "items)")
-            if operator == "**" and isinstance(right, int) and abs(right) > 1024 and \
-                    not (isinstance(left, (int, float)) and abs(left) <= 1):
-                raise TemplateBudgetError(f"it raises a number to the power {right:,}")
-            if operator == "%":
-                _checked_arguments("%", left, (), {})
+            _checked_binop(operator, left, right)
             return _bounded(super().call_binop(context, operator, left, right))
 
     def raise_exception(message):
@@ -334,7 +428,9 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols], finalize=_written)
+    for name in ("lipsum", "cycler", "joiner"):  # jinja's defaults, which no chat template uses (lipsum(10**8))
+        env.globals.pop(name, None)
     env.filters["tojson"] = tojson
     for name, function in list(env.filters.items()):
         env.filters[name] = _checked_filter(name, function)
@@ -399,6 +495,7 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
         source = tokenizer.get_chat_template()
     given = sum(len(str(m.get("content") or "")) for m in messages)
     budget = _Budget(STEPS, OUTPUT_CHARS + _OUTPUT_COPIES * given)
+    _size(messages, _seen=budget.known)  # every message and the list, measured once (before the budget counts)
     token = _BUDGET.set(budget)
     try:
         parts = []
