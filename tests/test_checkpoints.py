@@ -262,8 +262,16 @@ TAMPERED = {
                               r"progress\.tokens: 10{40}, more than its 2 steps", (1, 4)),
     "flops-past-any-run": ("workbench_checkpoint.json", lambda m: m["progress"].update(flops=1e300),
                            r"progress\.flops: .*less than or equal", (1, 4)),
+    "schedule-count-as-text": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_step_count="x"),
+                               r"scheduler\._step_count: .*got 'x'", (1, 4)),
+    "schedule-unknown-key": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(lr_lambdas=[1]),
+                             r"scheduler\.lr_lambdas: Extra inputs", (1, 4)),
+    "schedule-rates-per-group": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_last_lr=[0.1, 0.2]),
+                                 r"scheduler: _last_lr holds 2 rates for 1 groups", (1, 4)),
     "portable-epoch-past-its-steps": ("portable.json", lambda m: m["progress"].update(epoch=2),
                                        r"portable\.json: progress\.epoch: 2", (2, 2)),
+    "portable-schedule-text": ("portable.json", lambda m: m["scheduler"].update(_is_initial="no"),
+                               r"portable\.json: scheduler\._is_initial", (2, 2)),
     "portable-negative-step": ("portable.json", lambda m: m["progress"].update(step=-3), r"progress\.step: .*-3",
                                (2, 2)),
     "portable-adam-step": ("portable.json", lambda m: m.update(adam_step=7), r"adam_step: 7, more than its 2 steps",
@@ -312,3 +320,15 @@ def test_the_checkpoint_schema_reads_every_field_the_loop_saves():
     assert set(ProgressState.model_fields) == set(Progress().state_dict())
     ProgressState.model_validate(Progress().state_dict())  # a new run's state, its window empty
 
+
+def test_the_scheduler_schema_reads_what_the_loop_saves():
+    """Every key the schedule's state_dict holds (less its functions) has its field: an unknown one is refused."""
+    import torch
+
+    from workbench.training.checkpoints import SchedulerState, _json_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer.step()
+    scheduler.step()
+    SchedulerState.model_validate(_json_scheduler(scheduler))

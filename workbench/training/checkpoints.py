@@ -213,12 +213,27 @@ class ProgressState(_Written):
     _nothing_open = field_validator("window", mode="before")(lambda value: None if value == {} else value)
 
 
-class SchedulerState(_Written):
-    """The schedule's state (torch's LambdaLR state_dict less its functions); its private keys vary with torch."""
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
-    model_config = ConfigDict(extra="allow")
+
+class SchedulerState(_Written):
+    """The schedule's state: torch's LambdaLR state_dict less its functions (`_json_scheduler`). Its private keys
+    vary with torch's version (`verbose` in older ones, `_is_initial` in newer), so each is optional; any other
+    key, or one of another type, is refused here: load_state_dict would take it and fail later as a traceback."""
+
     base_lrs: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(min_length=1)
     last_epoch: Count
+    step_count: Count | None = Field(None, alias="_step_count")
+    last_lr: list[Rate] | None = Field(None, alias="_last_lr", min_length=1)
+    get_lr_called_within_step: bool | None = Field(None, alias="_get_lr_called_within_step")
+    is_initial: bool | None = Field(None, alias="_is_initial")
+    verbose: bool | None = None
+
+    @model_validator(mode="after")
+    def _a_rate_per_group(self):
+        if self.last_lr is not None and len(self.last_lr) != len(self.base_lrs):
+            raise ValueError(f"_last_lr holds {len(self.last_lr)} rates for {len(self.base_lrs)} groups")
+        return self
 
 
 class LayoutState(_Written):
