@@ -35,10 +35,11 @@ from workbench.base.errors import DataError
 from workbench.data.batches import STAND_IN
 from workbench.data.prepared import (PreparedData, SourceData, TokenizedData, best_fit_decreasing,
                                      chat_template_digest, evaluation_examples, every_answer_truncated,
-                                     every_example_cut, row_check, tokenize_rows)
+                                     every_example_cut, mix_fingerprint, row_check, tokenize_rows)
 from workbench.data.rows import (LOCAL_FORMATS, Rows, check_utf8, csv_as_text, empty_cell, first_line, json_lines,
                                  json_row, load_rows, text_problem)
 from workbench.data.tokens import check_row, tokenize_row
+from workbench.spec.chat_templates import template_source
 from workbench.spec.formats import format_of
 
 PACK_WINDOW = 2_000  # samples binned together: within 1% of packing the whole set, on alpaca-like lengths
@@ -123,6 +124,23 @@ def source_fingerprint(path: str, split: str) -> str:
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
     return digest.hexdigest()
+
+
+def content_hashes(cfg) -> dict[str, str]:
+    """The content hashes a run records of its data (train_sha256, eval_sha256, chat_template_sha256), taken from
+    the files as they are now, reading bytes only (no tokenizer, no tokenizing). A hub data set, and the tokenizer's
+    own template, are left out: naming their content needs the download or the model."""
+    hashes = {}
+    sources = cfg.sources
+    if all(Path(source.path).is_file() for source in sources):
+        digests = [(source_fingerprint(source.path, cfg.split), source) for source in sources]
+        mixed = len(sources) > 1 or sources[0].weight != 1
+        hashes["train_sha256"] = mix_fingerprint(digests) if mixed else digests[0][0]
+    if cfg.eval and Path(cfg.eval).is_file():
+        hashes["eval_sha256"] = source_fingerprint(cfg.eval, cfg.split)
+    if cfg.chat_template:
+        hashes["chat_template_sha256"] = hashlib.sha256(template_source(cfg.chat_template)[0].encode()).hexdigest()
+    return hashes
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:

@@ -2,7 +2,7 @@
 
 Whether there is a run to continue at all is answered first: `claim` takes the run directory and refuses a resume of
 a run that completed or never saved a checkpoint; `auto_resume` says what `--resume auto` does (a completed run is
-done only for its own recipe: another one is refused as `check_resume` refuses it).
+done only for its own recipe and data, `check_done`: anything that would have trained another adapter is refused).
 
 `ResumePlan.start` reads the run once and answers them as the run gets to each (a new run's plan passes them all):
 
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.data.streaming import content_hashes
 from workbench.hardware.precision import AUTO
 from workbench.model.attention import model_drops_out, shares_prompts
 from workbench.rundir.runs import RunDir
@@ -420,14 +421,46 @@ def auto_resume(recipe: Recipe, run: RunDir, world_size: int) -> str:
     a requeued or restarted job has nothing left to do), "replace" (an earlier start died before its first
     checkpoint: its files are replaced, as by --overwrite) or "new" (nothing there yet).
 
-    A completed run is "done" only for its own recipe: another one is refused as --resume refuses it
-    (check_resume's RecipeError), or the run's old adapter would pass for what the new recipe trains."""
+    A completed run is "done" only for the run it is (`check_done`), or its adapter would pass for what another
+    recipe, or other data, trains."""
     if run.completed():
-        check_resume(recipe, run, world_size)
+        check_done(recipe, run)
         return "done"
     if run.latest_checkpoint() is not None:
         return "resume"
     return "replace" if run.run_json.exists() else "new"
+
+
+# What a completed run may be asked for again with: settings that cannot change what it trained (how many CPU
+# threads, how often a row is logged) and where the run is and how a restarted job finds it. Everything else,
+# the lr and the rest of SAFE_TO_CHANGE included, would have trained another adapter.
+SAME_RUN = ("training.threads", "output.log_every", "training.resume", "name", "output.dir")
+
+
+def check_done(recipe: Recipe, run: RunDir) -> None:
+    """RecipeError unless `recipe` asks for the completed run as it is: its own recipe (but for SAME_RUN) on the
+    data and chat template whose content hashes the run recorded (the files hashed as they are, not tokenized)."""
+    try:
+        saved = Recipe.load(run.recipe)
+    except (RecipeError, OSError) as err:
+        raise RecipeError(f"--resume auto: cannot read the completed run's own recipe {run.recipe}: {err}") from None
+    old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
+    for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
+        if new.get(key) == AUTO and key in old:
+            new[key] = old[key]
+    differs = [line for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key) and key not in SAME_RUN
+               for line in _described(key, old.get(key), new.get(key))]
+    what = "recipe" if differs else "data"
+    if not differs:  # the same recipe: its files still hold what trained the run (read only when it matters)
+        recorded, hashes = run.read_json().get("summary", {}), content_hashes(recipe.data)
+        names = {"train_sha256": "data.train", "eval_sha256": "data.eval", "chat_template_sha256": "data.chat_template"}
+        differs = [f"{names[key]}: the file's content changed since the run (content hash {recorded[key][:12]} -> "
+                   f"{hashes[key][:12]})" for key in names
+                   if recorded.get(key) and hashes.get(key) and recorded[key] != hashes[key]]
+    if differs:
+        raise RecipeError(f"--resume: the {what} differs from the run's own ({run.recipe}), which has completed: "
+                          f"{_listed(differs)}. A completed run is done only for the recipe and data that trained it: "
+                          f"start a new run (another name or --overwrite); only {', '.join(SAME_RUN)} may differ")
 
 
 def agree_on_resume(accelerator, resume: bool, run_path) -> None:
