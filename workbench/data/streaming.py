@@ -15,7 +15,9 @@ Every process reads the whole stream and keeps its own micro-batches, so a step 
 process count, and a resumed run reads the epoch again up to where it stopped: the same rows, the same
 packing, exactly. Memory holds the two buffers, never the file; nothing is written to disk. The file is hashed
 once, before the first row is read (the hash run.json records and a resume checks); each later opening of the
-stream, and each end of it, checks with a stat that the file is still the one hashed (`check_unchanged`).
+stream, each shuffle buffer's worth of rows read, each packing window before it trains, each end of the file and
+the end of the run check with a stat that the file is still the one hashed (`check_unchanged`, hashing again only
+when the stat moved), and a row that fails its check in a file that changed is reported as the change.
 
 What a stream cannot know is its length: a streamed run needs training.max_steps (an epoch is one pass, and the
 next epoch reads the source again in another order). What needs the whole source up front is refused by
@@ -229,8 +231,16 @@ class StreamedExamples:
         self.read = dict.fromkeys(self.read, 0)
         window: list[dict] = []
         windows = tokens = 0
-        for item in self.rows:
-            example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
+        rows = self._checked_rows()
+        while True:
+            try:
+                item = next(rows, None)
+                if item is None:
+                    break
+                example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
+            except DataError:  # a bad row in a file that changed: the change is what to report (the row is only
+                self.check_unchanged()  # where the reader met the new bytes)
+                raise
             self.read["samples"] += 1
             if example["targets"] == 0:
                 self.read["empty"] += 1
@@ -241,6 +251,8 @@ class StreamedExamples:
             window.append(example)
             tokens += len(example["input_ids"])
             if len(window) == PACK_WINDOW or tokens >= PACK_WINDOW_TOKENS:
+                # the window's rows were read from the bytes the run hashed, or none of them trains
+                self.check_unchanged()
                 yield from self._rows_of(window, epoch, windows)
                 window, windows, tokens = [], windows + 1, 0
         self.check_unchanged()  # ... and has read it to its end
@@ -252,6 +264,14 @@ class StreamedExamples:
             if self.read["empty"]:
                 raise every_answer_truncated(self.cfg)
             raise DataError(f"{self.cfg.train_name}: no rows (the source is empty)")
+
+    def _checked_rows(self) -> Iterator[dict]:
+        """The shuffled rows, with a stat of the file each shuffle buffer's worth of rows read (a rewrite is caught
+        within a buffer or so, a window before its rows train)."""
+        for count, item in enumerate(self.rows, 1):
+            if count % self.cfg.shuffle_buffer == 0:
+                self.check_unchanged()
+            yield item
 
     def _rows_of(self, window: list[dict], epoch: int, index: int) -> Iterator[dict]:
         """The window's samples as training rows: packed (each row's samples attend only to themselves), or one a
