@@ -308,8 +308,8 @@ def test_a_checkpoint_epoch_past_the_recipe_is_refused(tmp_path):
     _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 60 * 4 * 128}, 100, Limits(2, 128))
     with pytest.raises(WorkbenchError, match=r"m\.json: progress\.epoch: 2, where the recipe runs 2 epoch"):
         _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 2}, 100, Limits(2, 128))
-    with pytest.raises(WorkbenchError, match=r"m\.json: progress\.tokens: 30721, more than its 60 steps of at most "
-                                             r"512 tokens"):
+    with pytest.raises(WorkbenchError, match=r"m\.json: progress\.tokens: 30721, more than its 60 steps can "
+                                             r"read \(512 tokens a step at most\)"):
         _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 30721}, 100, Limits(2, 128))
 
 

@@ -322,7 +322,7 @@ def _check_counters(path: Path, name: str, meta: dict, progress: dict | None, sa
     per_step = samples * limits.row_len  # each sample at most data.row_len tokens
     if progress.get("tokens", 0) > progress["step"] * per_step:
         raise checkpoints.damage(path, name, "progress.tokens", f"{progress['tokens']}, more than its "
-                                  f"{progress['step']} steps of at most {per_step} tokens can read")
+                                  f"{progress['step']} steps can read ({per_step} tokens a step at most)")
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:
