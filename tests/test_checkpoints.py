@@ -254,6 +254,24 @@ TAMPERED = {
                        r"1000000000", (1, 4)),
     "portable-past-the-epoch": ("portable.json", lambda m: m.update(samples_in_epoch=10 ** 9),
                                 r"past the end of its epoch \(portable\.json: samples_in_epoch: 1000000000", (2, 2)),
+    "epoch-past-the-steps": ("workbench_checkpoint.json", lambda m: m["progress"].update(epoch=10 ** 15),
+                             r"progress\.epoch: 1000000000000000, more than its 2 steps", (1, 4)),
+    "epoch-its-steps-cannot-finish": ("workbench_checkpoint.json", lambda m: m["progress"].update(epoch=1),
+                                      r"progress\.epoch: 1, more epochs than its 2 steps finish", (1, 4)),
+    "tokens-past-the-steps": ("workbench_checkpoint.json", lambda m: m["progress"].update(tokens=10 ** 40),
+                              r"progress\.tokens: 10{40}, more than its 2 steps", (1, 4)),
+    "flops-past-any-run": ("workbench_checkpoint.json", lambda m: m["progress"].update(flops=1e300),
+                           r"progress\.flops: .*less than or equal", (1, 4)),
+    "schedule-count-as-text": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_step_count="x"),
+                               r"scheduler\._step_count: .*got 'x'", (1, 4)),
+    "schedule-unknown-key": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(lr_lambdas=[1]),
+                             r"scheduler\.lr_lambdas: Extra inputs", (1, 4)),
+    "schedule-rates-per-group": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_last_lr=[0.1, 0.2]),
+                                 r"scheduler: _last_lr holds 2 rates for 1 groups", (1, 4)),
+    "portable-epoch-past-its-steps": ("portable.json", lambda m: m["progress"].update(epoch=2),
+                                       r"portable\.json: progress\.epoch: 2", (2, 2)),
+    "portable-schedule-text": ("portable.json", lambda m: m["scheduler"].update(_is_initial="no"),
+                               r"portable\.json: scheduler\._is_initial", (2, 2)),
     "portable-negative-step": ("portable.json", lambda m: m["progress"].update(step=-3), r"progress\.step: .*-3",
                                (2, 2)),
     "portable-adam-step": ("portable.json", lambda m: m.update(adam_step=7), r"adam_step: 7, more than its 2 steps",
@@ -281,9 +299,36 @@ def test_a_tampered_checkpoint_record_is_one_line_naming_its_file_and_field(tmp_
         assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before, case
 
 
+def test_a_checkpoint_epoch_past_the_recipe_is_refused(tmp_path):
+    """Without max_steps the recipe's epochs bound the epoch a checkpoint is in (another would train on another
+    shuffle); the tokens are bounded by what its steps can read."""
+    from workbench.training.resume import Limits, _check_counters
+
+    meta = {"micro_batch_size": 2, "grad_accum": 2, "world_size": 1}
+    _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 60 * 4 * 128}, 100, Limits(2, 128))
+    with pytest.raises(WorkbenchError, match=r"m\.json: progress\.epoch: 2, where the recipe runs 2 epoch"):
+        _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 2}, 100, Limits(2, 128))
+    with pytest.raises(WorkbenchError, match=r"m\.json: progress\.tokens: 30721, more than its 60 steps can "
+                                             r"read \(512 tokens a step at most\)"):
+        _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 30721}, 100, Limits(2, 128))
+
+
 def test_the_checkpoint_schema_reads_every_field_the_loop_saves():
     from workbench.training.checkpoints import ProgressState
     from workbench.training.parts import Progress
 
     assert set(ProgressState.model_fields) == set(Progress().state_dict())
     ProgressState.model_validate(Progress().state_dict())  # a new run's state, its window empty
+
+
+def test_the_scheduler_schema_reads_what_the_loop_saves():
+    """Every key the schedule's state_dict holds (less its functions) has its field: an unknown one is refused."""
+    import torch
+
+    from workbench.training.checkpoints import SchedulerState, _json_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer.step()
+    scheduler.step()
+    SchedulerState.model_validate(_json_scheduler(scheduler))

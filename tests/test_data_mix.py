@@ -40,6 +40,22 @@ def mixed(tiny_recipe, tmp_path, *, chat=CHAT, chat_weight=2, alpaca_weight=0.5,
     return tiny_recipe.override(**{"data__train": sources, **{f"data__{k}": v for k, v in data.items()}})
 
 
+def test_the_data_hashes_a_completed_run_is_checked_against_are_those_it_records(tiny_recipe, tmp_path):
+    """`--resume auto` on a completed run hashes the files (streaming.content_hashes) without tokenizing them: the
+    same hashes the run recorded, for one source and for a mix."""
+    from workbench.data.prepared import chat_template_digest
+    from workbench.data.streaming import content_hashes
+
+    for recipe in (tiny_recipe.override(data__chat_template="chatml"), mixed(tiny_recipe, tmp_path)):
+        tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+        data = tokenize_data(recipe.data, tokenizer, seed=1)
+        hashes = content_hashes(recipe.data)
+        assert hashes["train_sha256"] == data.train_fingerprint
+        assert hashes["eval_sha256"] == data.eval_rows.fingerprint
+        if recipe.data.chat_template:
+            assert hashes["chat_template_sha256"] == chat_template_digest(tokenizer)
+
+
 def test_each_source_is_weighted_and_rendered_with_its_own_format(tiny_recipe, tmp_path):
     recipe = mixed(tiny_recipe, tmp_path)
     tokenizer = load_tokenizer(recipe.model)

@@ -79,6 +79,35 @@ def test_resume_auto_on_a_completed_run_refuses_another_recipe_as_resume_does(ti
     assert again.summary == done.summary
 
 
+def test_resume_auto_finds_a_completed_run_done_only_for_the_run_it_is(tiny_recipe, tmp_path, capsys):
+    """A completed run is done for its own recipe and data alone: a new lr (which a resume may take) or a data file
+    rewritten in place (same path, other content) would have trained another adapter, and is refused naming it."""
+    data, template = chat_rows(tmp_path / "train.jsonl", 24), tmp_path / "chatml.jinja"
+    from workbench.spec.chat_templates import TEMPLATES
+
+    template.write_text(TEMPLATES["chatml"].source)
+    recipe = tiny_recipe.override("training.max_steps=2", f"data.train={data}", f"data.chat_template={template}")
+    done = train(recipe, progress_bar=False)
+    run = RunDir(done.run_dir)
+    kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    with pytest.raises(RecipeError, match=r"^--resume: the recipe differs .*completed: training\.lr: .* -> 1e-05\. "):
+        train(recipe.override("training.lr=1e-5"), resume="auto", progress_bar=False)
+    again = train(recipe.override("training.threads=3"), resume="auto", progress_bar=False)  # cannot change it
+    assert again.summary == done.summary
+    for path, edit in ((data, lambda text: text.replace("what", "WHAT")),
+                       (template, lambda text: text + "{# edited #}")):
+        original = path.read_text()
+        path.write_text(edit(original))
+        with pytest.raises(RecipeError) as err:
+            train(recipe, resume="auto", progress_bar=False)
+        field = "data.train" if path == data else "data.chat_template"
+        assert f"completed: {field}: the file's content changed since the run" in str(err.value)
+        assert "\n" not in str(err.value)
+        path.write_text(original)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept  # not one byte changed
+    assert train(recipe, resume="auto", progress_bar=False).summary == done.summary
+
+
 def interrupted_run(tiny_recipe):
     """A run that saved step 2 of 4 and then died (as kill -9 leaves it: status running, no adapter)."""
     recipe = tiny_recipe.override("training.max_steps=4", "output.save_every=2")

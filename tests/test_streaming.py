@@ -294,6 +294,77 @@ def test_a_touched_source_reads_on_and_a_rewritten_one_is_refused_when_the_strea
         list(data.train.examples(3))
 
 
+def _numbered_rows(path, count: int, word: str = "plus", repeat: int = 1) -> None:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} {word} {i}?"},
+                          {"role": "assistant", "content": f"{i} {word} {i} is {2 * i}. " * repeat}]}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _stream_of(tiny_recipe, source, buffer: int):
+    recipe = tiny_recipe.override(*STREAMED, f"data.train={source}", f"data.shuffle_buffer={buffer}")
+    return streaming.stream_data(recipe.data, load_tokenizer(recipe.model), seed=0).train
+
+
+def test_a_source_rewritten_mid_epoch_is_refused_within_a_window(tiny_recipe, tmp_path, small_windows):
+    """Rows of the same length put in place mid-epoch (only the modification time tells): the stream stats the
+    file as it reads and before each window trains, so the rewrite stops it a window later, not at the epoch's
+    end (or never, for a run whose step budget ends first)."""
+    source = tmp_path / "rows.jsonl"
+    _numbered_rows(source, 2000)
+    size = source.stat().st_size
+    rows = _stream_of(tiny_recipe, source, 10).examples(0)
+    for _ in range(30):
+        next(rows)
+    _numbered_rows(source, 2000, word="PLUS")
+    assert source.stat().st_size == size
+    after = 0
+    with pytest.raises(DataError, match=rf"^{re.escape(str(source))}: changed while the run reads it as a stream"):
+        for _ in rows:
+            after += 1
+    assert after < 100  # of some 1,000 rows left in the epoch
+
+
+@pytest.mark.parametrize("buffer", [50, 1000])  # a stat between buffers, and a bad row met before the next one
+def test_a_bad_row_in_a_source_rewritten_mid_epoch_is_reported_as_the_change(tiny_recipe, tmp_path, small_windows,
+                                                                              buffer):
+    """Other rows put in place: the reader, at its old offset, meets rows that fail their check (half a line, or
+    rows of another shape). The row is not the fault; the rewrite is, and the message names it."""
+    source = tmp_path / "rows.jsonl"
+    _numbered_rows(source, 2000)
+    rows = _stream_of(tiny_recipe, source, buffer).examples(0)
+    for _ in range(30):
+        next(rows)
+    questions = [{"messages": [{"role": "user", "content": f"What is {i}?"}]} for i in range(2000)]  # no answers
+    source.write_text("".join(json.dumps(r) + "\n" for r in questions))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(source))}: changed while the run reads it as a stream"):
+        list(rows)
+
+
+def test_a_source_rewritten_before_the_step_budget_ends_fails_the_run_naming_it(tmp_path, capsys, monkeypatch):
+    """The whole source fits the shuffle buffer, so it is read (and checked) before the first step; rewritten
+    while the steps train, the run ends before the stream reads the file again: the end of the run checks it."""
+    import shutil
+
+    source = tmp_path / "rows.jsonl"
+    shutil.copy("recipes/data/tiny_chat.jsonl", source)
+    batches = StreamBatches.__iter__
+
+    def rewritten_after_a_batch(self):
+        for number, batch in enumerate(batches(self)):
+            if number == 1:
+                _rewritten_in_place(source)
+            yield batch
+
+    monkeypatch.setattr(StreamBatches, "__iter__", rewritten_after_a_batch)
+    run = tmp_path / "run"
+    code = main(["train", "recipes/tiny.yaml", *STREAMED, f"data.train={source}", "training.threads=1",
+                 "data.eval=null", "output.eval_every=null", f"output.dir={run}", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == DataError.exit_code and f"{source}: changed while the run reads it as a stream" in err, err
+    assert RunDir(run).read_json()["summary"]["status"] == "failed" and not (run / "adapter").exists()
+
+
 @pytest.mark.slow
 def test_a_source_rewritten_mid_run_stops_the_run_naming_it_before_an_epoch_reads_it(tmp_path, capsys, monkeypatch):
     """Rewritten while epoch 0 trains: epoch 1 would read other rows than those whose hash run.json records."""

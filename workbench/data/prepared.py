@@ -114,8 +114,13 @@ class TokenizedData:
         """The content hash of the training data: the file's for one source, of the sources and weights for a mix."""
         if not self.mixed:
             return self.sources[0].rows.fingerprint
-        parts = [f"{d.rows.fingerprint}|{d.source.format}|{d.source.weight!r}" for d in self.sources]
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        return mix_fingerprint([(d.rows.fingerprint, d.source) for d in self.sources])
+
+
+def mix_fingerprint(sources: list[tuple[str, Any]]) -> str:
+    """The content hash of a mix: each source's file hash with its format and weight."""
+    parts = [f"{digest}|{source.format}|{source.weight!r}" for digest, source in sources]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _mismatched_answers(source, rows: Rows, cfg: DataSection) -> Callable[[int], str] | None:

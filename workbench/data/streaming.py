@@ -15,7 +15,9 @@ Every process reads the whole stream and keeps its own micro-batches, so a step 
 process count, and a resumed run reads the epoch again up to where it stopped: the same rows, the same
 packing, exactly. Memory holds the two buffers, never the file; nothing is written to disk. The file is hashed
 once, before the first row is read (the hash run.json records and a resume checks); each later opening of the
-stream, and each end of it, checks with a stat that the file is still the one hashed (`check_unchanged`).
+stream, each shuffle buffer's worth of rows read, each packing window before it trains, each end of the file and
+the end of the run check with a stat that the file is still the one hashed (`check_unchanged`, hashing again only
+when the stat moved), and a row that fails its check in a file that changed is reported as the change.
 
 What a stream cannot know is its length: a streamed run needs training.max_steps (an epoch is one pass, and the
 next epoch reads the source again in another order). What needs the whole source up front is refused by
@@ -35,10 +37,11 @@ from workbench.base.errors import DataError
 from workbench.data.batches import STAND_IN
 from workbench.data.prepared import (PreparedData, SourceData, TokenizedData, best_fit_decreasing,
                                      chat_template_digest, evaluation_examples, every_answer_truncated,
-                                     every_example_cut, row_check, tokenize_rows)
+                                     every_example_cut, mix_fingerprint, row_check, tokenize_rows)
 from workbench.data.rows import (LOCAL_FORMATS, Rows, check_utf8, csv_as_text, empty_cell, first_line, json_lines,
                                  json_row, load_rows, text_problem)
 from workbench.data.tokens import check_row, tokenize_row
+from workbench.spec.chat_templates import template_source
 from workbench.spec.formats import format_of
 
 PACK_WINDOW = 2_000  # samples binned together: within 1% of packing the whole set, on alpaca-like lengths
@@ -123,6 +126,23 @@ def source_fingerprint(path: str, split: str) -> str:
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
     return digest.hexdigest()
+
+
+def content_hashes(cfg) -> dict[str, str]:
+    """The content hashes a run records of its data (train_sha256, eval_sha256, chat_template_sha256), taken from
+    the files as they are now, reading bytes only (no tokenizer, no tokenizing). A hub data set, and the tokenizer's
+    own template, are left out: naming their content needs the download or the model."""
+    hashes = {}
+    sources = cfg.sources
+    if all(Path(source.path).is_file() for source in sources):
+        digests = [(source_fingerprint(source.path, cfg.split), source) for source in sources]
+        mixed = len(sources) > 1 or sources[0].weight != 1
+        hashes["train_sha256"] = mix_fingerprint(digests) if mixed else digests[0][0]
+    if cfg.eval and Path(cfg.eval).is_file():
+        hashes["eval_sha256"] = source_fingerprint(cfg.eval, cfg.split)
+    if cfg.chat_template:
+        hashes["chat_template_sha256"] = hashlib.sha256(template_source(cfg.chat_template)[0].encode()).hexdigest()
+    return hashes
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:
@@ -211,8 +231,16 @@ class StreamedExamples:
         self.read = dict.fromkeys(self.read, 0)
         window: list[dict] = []
         windows = tokens = 0
-        for item in self.rows:
-            example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
+        rows = self._checked_rows()
+        while True:
+            try:
+                item = next(rows, None)
+                if item is None:
+                    break
+                example = tokenize_row(item["row"], self.tokenizer, self.cfg, item["where"], self.share_prompts)
+            except DataError:  # a bad row in a file that changed: the change is what to report (the row is only
+                self.check_unchanged()  # where the reader met the new bytes)
+                raise
             self.read["samples"] += 1
             if example["targets"] == 0:
                 self.read["empty"] += 1
@@ -223,6 +251,8 @@ class StreamedExamples:
             window.append(example)
             tokens += len(example["input_ids"])
             if len(window) == PACK_WINDOW or tokens >= PACK_WINDOW_TOKENS:
+                # the window's rows were read from the bytes the run hashed, or none of them trains
+                self.check_unchanged()
                 yield from self._rows_of(window, epoch, windows)
                 window, windows, tokens = [], windows + 1, 0
         self.check_unchanged()  # ... and has read it to its end
@@ -234,6 +264,14 @@ class StreamedExamples:
             if self.read["empty"]:
                 raise every_answer_truncated(self.cfg)
             raise DataError(f"{self.cfg.train_name}: no rows (the source is empty)")
+
+    def _checked_rows(self) -> Iterator[dict]:
+        """The shuffled rows, with a stat of the file each shuffle buffer's worth of rows read (a rewrite is caught
+        within a buffer or so, a window before its rows train)."""
+        for count, item in enumerate(self.rows, 1):
+            if count % self.cfg.shuffle_buffer == 0:
+                self.check_unchanged()
+            yield item
 
     def _rows_of(self, window: list[dict], epoch: int, index: int) -> Iterator[dict]:
         """The window's samples as training rows: packed (each row's samples attend only to themselves), or one a

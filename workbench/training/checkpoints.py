@@ -100,9 +100,9 @@ def read_meta(path: Path) -> dict:
     if len(meta) > 1:  # the oldest hold their step alone; every later one says what wrote it
         for key in ("layout", "world_size", "micro_batch_size"):
             if key not in meta:
-                raise _damaged(path, META, key, "missing (every checkpoint that records more than its step has it)")
+                raise damage(path, META, key, "missing (every checkpoint that records more than its step has it)")
     if meta["step"] != _folder_step(path, meta["step"]):  # the folder is where the resume starts counting from
-        raise _damaged(path, META, "step", f"{meta['step']}, in the folder of step {_folder_step(path, None)}")
+        raise damage(path, META, "step", f"{meta['step']}, in the folder of step {_folder_step(path, None)}")
     if "progress" in meta:
         _check_progress(path, META, meta["progress"], meta["step"])
     return meta
@@ -117,10 +117,12 @@ def _folder_step(path: Path, otherwise: int | None) -> int | None:
 def _check_progress(path: Path, name: str, progress: dict, step: int) -> None:
     """What ties the loop's fields to each other and to the checkpoint's step."""
     if progress["step"] != step:
-        raise _damaged(path, name, "progress.step", f"{progress['step']}, in the checkpoint of step {step}")
+        raise damage(path, name, "progress.step", f"{progress['step']}, in the checkpoint of step {step}")
     if progress.get("skipped_steps", 0) > step:
-        raise _damaged(path, name, "progress.skipped_steps",
+        raise damage(path, name, "progress.skipped_steps",
                        f"{progress['skipped_steps']}, more than its {step} steps")
+    if progress.get("epoch", 0) > step:  # every epoch the loop finished took a step at least
+        raise damage(path, name, "progress.epoch", f"{progress['epoch']}, more than its {step} steps")
 
 
 def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
@@ -129,7 +131,7 @@ def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
     try:
         data = json.loads((path / name).read_text(), parse_constant=_no_constant)
     except (OSError, ValueError) as err:
-        raise _damaged(path, name, None, f"{type(err).__name__}: {err}") from None
+        raise damage(path, name, None, f"{type(err).__name__}: {err}") from None
     try:
         schema.model_validate(data)
     except ValidationError as err:
@@ -138,7 +140,7 @@ def _read_json(path: Path, name: str, schema: type[BaseModel]) -> dict:
         problem = first["msg"].removeprefix("Value error, ")
         if "input" in first and first["type"] != "missing" and not isinstance(first["input"], dict):
             problem += f", got {_SHORT.repr(first['input'])}"
-        raise _damaged(path, name, field or None, problem) from None
+        raise damage(path, name, field or None, problem) from None
     return data
 
 
@@ -151,7 +153,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON holds")  # json reads NaN and Infinity unless told not to
 
 
-def _damaged(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
+def damage(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
     where = f"{name}: {field}" if field else name
     return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from "
                           "the one before")
@@ -190,27 +192,48 @@ class WindowState(_Written):
         return self
 
 
+# Generous ceilings for the counters no step count bounds: a century of training, and far more FLOPs than any
+# run does (1e30 is a million years of an exaflop machine); a value past them is damage, not a long run.
+MOST_SECONDS, MOST_FLOPS = 100 * 365 * 86400.0, 1e30
+
+
 class ProgressState(_Written):
-    """Where the loop was (training/parts.py Progress; the fields an earlier version did not write default)."""
+    """Where the loop was (training/parts.py Progress; the fields an earlier version did not write default).
+    The epoch and tokens are bounded by the step count in `_check_progress` and by the recipe in resume.choose."""
 
     step: Count
     epoch: Count = 0
     batches_in_epoch: Count = 0
     tokens: Count = 0
-    train_seconds: Amount = 0.0
-    flops: Amount = 0.0
+    train_seconds: Annotated[Amount, Field(le=MOST_SECONDS)] = 0.0
+    flops: Annotated[Amount, Field(le=MOST_FLOPS)] = 0.0
     skipped_steps: Count = 0
     window: WindowState | None = None  # {}: none open
 
     _nothing_open = field_validator("window", mode="before")(lambda value: None if value == {} else value)
 
 
-class SchedulerState(_Written):
-    """The schedule's state (torch's LambdaLR state_dict less its functions); its private keys vary with torch."""
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
-    model_config = ConfigDict(extra="allow")
+
+class SchedulerState(_Written):
+    """The schedule's state: torch's LambdaLR state_dict less its functions (`_json_scheduler`). Its private keys
+    vary with torch's version (`verbose` in older ones, `_is_initial` in newer), so each is optional; any other
+    key, or one of another type, is refused here: load_state_dict would take it and fail later as a traceback."""
+
     base_lrs: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(min_length=1)
     last_epoch: Count
+    step_count: Count | None = Field(None, alias="_step_count")
+    last_lr: list[Rate] | None = Field(None, alias="_last_lr", min_length=1)
+    get_lr_called_within_step: bool | None = Field(None, alias="_get_lr_called_within_step")
+    is_initial: bool | None = Field(None, alias="_is_initial")
+    verbose: bool | None = None
+
+    @model_validator(mode="after")
+    def _a_rate_per_group(self):
+        if self.last_lr is not None and len(self.last_lr) != len(self.base_lrs):
+            raise ValueError(f"_last_lr holds {len(self.last_lr)} rates for {len(self.base_lrs)} groups")
+        return self
 
 
 class LayoutState(_Written):
@@ -268,7 +291,7 @@ def read_portable(path: Path, model) -> dict:
     step = _folder_step(path, portable["progress"]["step"])
     _check_progress(path, PORTABLE_META, portable["progress"], step)
     if portable["adam_step"] > step:  # one AdamW step for each step that was not skipped
-        raise _damaged(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
+        raise damage(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
     try:
         with safe_open(str(path / PORTABLE_TENSORS), framework="pt") as tensors:
             shapes = {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}

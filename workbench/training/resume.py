@@ -2,7 +2,7 @@
 
 Whether there is a run to continue at all is answered first: `claim` takes the run directory and refuses a resume of
 a run that completed or never saved a checkpoint; `auto_resume` says what `--resume auto` does (a completed run is
-done only for its own recipe: another one is refused as `check_resume` refuses it).
+done only for its own recipe and data, `check_done`: anything that would have trained another adapter is refused).
 
 `ResumePlan.start` reads the run once and answers them as the run gets to each (a new run's plan passes them all):
 
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.data.streaming import content_hashes
 from workbench.hardware.precision import AUTO
 from workbench.model.attention import model_drops_out, shares_prompts
 from workbench.rundir.runs import RunDir
@@ -64,6 +65,15 @@ class CheckpointChoice:
     portable: dict | None = None  # portable.json, for the portable path
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the recipe lets a checkpoint's counters reach: the epochs it runs (None: max_steps decides) and the
+    longest row a batch holds (data.row_len), which bounds the tokens of a step."""
+
+    epochs: int | None
+    row_len: int
+
+
 @dataclass
 class ResumePlan:
     """The answers for one run; `resuming` False: a new run, which every check lets through."""
@@ -74,6 +84,7 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)  # what was adjusted to keep the run the same, a line each
     recorded: dict = field(default_factory=dict)  # the summary the run recorded so far
     checkpoint: CheckpointChoice | None = None
+    limits: "Limits | None" = None  # what the recipe lets a checkpoint's counters reach
 
     @classmethod
     def start(cls, recipe: Recipe, run: RunDir, resume: bool, world_size: int) -> tuple[Recipe, "ResumePlan"]:
@@ -87,6 +98,8 @@ class ResumePlan:
         elif run.latest_checkpoint() is not None:  # every run saves it before its first checkpoint
             raise RecipeError(f"--resume: the run's own recipe {run.recipe} is missing (it says what the checkpoints "
                               "hold and what a resume may change); restore it, or start the run again (--overwrite)")
+        plan.limits = Limits(None if recipe.training.max_steps else math.ceil(recipe.training.epochs),
+                             recipe.data.row_len)
         return recipe, plan
 
     def share_prompts(self, recipe: Recipe, attention, model_config) -> bool:
@@ -122,7 +135,8 @@ class ResumePlan:
         """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
         latest = self.run.latest_checkpoint() if self.resuming else None
         if latest is not None:
-            self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups)
+            self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups,
+                                     self.limits)
 
     def history(self) -> list[dict]:
         """The run's recipe changes so far, this resume's appended (from the step it continues at)."""
@@ -218,7 +232,7 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-           model, lr_groups: int) -> CheckpointChoice:
+           model, lr_groups: int, limits: Limits | None = None) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
     optimizer's `lr_groups` parameter groups) and that the files it needs are whole; WorkbenchError naming both
     sides otherwise. Reads files only."""
@@ -244,6 +258,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     here = f"{layout.name} on {world_size} process(es) with micro-batch {micro_batch}"
     same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
     _check_place(path, meta, samples_per_epoch)
+    _check_counters(path, checkpoints.META, meta, meta.get("progress"), samples_per_epoch, limits)
     if same and not pickles:
         return CheckpointChoice(path, "exact", meta)
     # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
@@ -254,6 +269,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
                              f"{problem}")
     portable = checkpoints.read_portable(path, model)
     _check_place(path, meta, samples_per_epoch, portable)
+    _check_counters(path, checkpoints.PORTABLE_META, meta, portable["progress"], samples_per_epoch, limits)
     if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
         raise WorkbenchError(
             f"--resume: checkpoint {path.name} ({where}) stopped {portable['samples_in_epoch']} samples into its "
@@ -284,6 +300,29 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
                 f"{meta['micro_batch_size']} x {meta['world_size']} process(es)); it is damaged, or the data changed "
                 "since it was written: delete it to resume from the one before, or resume with the data it was "
                 "written on")
+
+
+def _check_counters(path: Path, name: str, meta: dict, progress: dict | None, samples_per_epoch: float,
+                    limits: Limits | None) -> None:
+    """The loop's counters within what the recipe and the step count allow (checkpoints._check_progress ties them
+    to the step alone): an epoch past the recipe's, or past the epochs its steps could finish, would train on
+    another shuffle, and a token count past what the steps could read would be reported as the run's."""
+    if progress is None or limits is None or not meta.get("grad_accum"):  # (written before it was recorded)
+        return
+    epoch, step = progress.get("epoch", 0), progress["step"]
+    if limits.epochs is not None and epoch >= limits.epochs:
+        raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, where the recipe runs {limits.epochs} "
+                                  "epoch(s), counted from 0")
+    # a step takes micro-batch x accumulation x processes samples (a resume keeps that product), so every finished
+    # epoch took ceil(rows / that) steps, whatever layout ran it
+    samples = meta["micro_batch_size"] * meta["grad_accum"] * meta["world_size"]
+    if not math.isinf(samples_per_epoch) and epoch * math.ceil(samples_per_epoch / samples) > step:
+        raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, more epochs than its {step} steps finish "
+                                  f"({math.ceil(samples_per_epoch / samples)} steps an epoch)")
+    per_step = samples * limits.row_len  # each sample at most data.row_len tokens
+    if progress.get("tokens", 0) > progress["step"] * per_step:
+        raise checkpoints.damage(path, name, "progress.tokens", f"{progress['tokens']}, more than its "
+                                  f"{progress['step']} steps can read ({per_step} tokens a step at most)")
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:
@@ -382,14 +421,46 @@ def auto_resume(recipe: Recipe, run: RunDir, world_size: int) -> str:
     a requeued or restarted job has nothing left to do), "replace" (an earlier start died before its first
     checkpoint: its files are replaced, as by --overwrite) or "new" (nothing there yet).
 
-    A completed run is "done" only for its own recipe: another one is refused as --resume refuses it
-    (check_resume's RecipeError), or the run's old adapter would pass for what the new recipe trains."""
+    A completed run is "done" only for the run it is (`check_done`), or its adapter would pass for what another
+    recipe, or other data, trains."""
     if run.completed():
-        check_resume(recipe, run, world_size)
+        check_done(recipe, run)
         return "done"
     if run.latest_checkpoint() is not None:
         return "resume"
     return "replace" if run.run_json.exists() else "new"
+
+
+# What a completed run may be asked for again with: settings that cannot change what it trained (how many CPU
+# threads, how often a row is logged) and where the run is and how a restarted job finds it. Everything else,
+# the lr and the rest of SAFE_TO_CHANGE included, would have trained another adapter.
+SAME_RUN = ("training.threads", "output.log_every", "training.resume", "name", "output.dir")
+
+
+def check_done(recipe: Recipe, run: RunDir) -> None:
+    """RecipeError unless `recipe` asks for the completed run as it is: its own recipe (but for SAME_RUN) on the
+    data and chat template whose content hashes the run recorded (the files hashed as they are, not tokenized)."""
+    try:
+        saved = Recipe.load(run.recipe)
+    except (RecipeError, OSError) as err:
+        raise RecipeError(f"--resume auto: cannot read the completed run's own recipe {run.recipe}: {err}") from None
+    old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
+    for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
+        if new.get(key) == AUTO and key in old:
+            new[key] = old[key]
+    differs = [line for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key) and key not in SAME_RUN
+               for line in _described(key, old.get(key), new.get(key))]
+    what = "recipe" if differs else "data"
+    if not differs:  # the same recipe: its files still hold what trained the run (read only when it matters)
+        recorded, hashes = run.read_json().get("summary", {}), content_hashes(recipe.data)
+        names = {"train_sha256": "data.train", "eval_sha256": "data.eval", "chat_template_sha256": "data.chat_template"}
+        differs = [f"{names[key]}: the file's content changed since the run (content hash {recorded[key][:12]} -> "
+                   f"{hashes[key][:12]})" for key in names
+                   if recorded.get(key) and hashes.get(key) and recorded[key] != hashes[key]]
+    if differs:
+        raise RecipeError(f"--resume: the {what} differs from the run's own ({run.recipe}), which has completed: "
+                          f"{_listed(differs)}. A completed run is done only for the recipe and data that trained it: "
+                          f"start a new run (another name or --overwrite); only {', '.join(SAME_RUN)} may differ")
 
 
 def agree_on_resume(accelerator, resume: bool, run_path) -> None:

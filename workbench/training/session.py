@@ -347,6 +347,8 @@ class TrainingSession:
         self.start_loop()
         while self.state.step < self.total_steps:
             self.train_epoch()
+        if self.recipe.data.streaming:  # a stream read up to its last step: still the bytes the run recorded
+            self.data.train.check_unchanged()
         self.bar.close()
         self.loop_end = time.perf_counter()
         collective_timeout(self.recipe.distributed.startup_timeout_s)  # rank 0 writes the adapter while the others wait
