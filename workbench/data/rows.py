@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 from workbench.base.builtin import cache_dir
 from workbench.base.errors import DataError
+from workbench.base.hub_reach import check_hub_answers
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -84,6 +85,7 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
         return Rows(dataset, path, where, digest)
     if path.count("/") != 1 or path.startswith((".", "/")):
         raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+    check_hub_answers(path, "dataset", path, DataError)
     try:
         dataset = datasets.load_dataset(path, split=split)
     except Exception as err:

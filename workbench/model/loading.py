@@ -10,6 +10,7 @@ import torch
 
 from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import ModelError
+from workbench.base.hub_reach import check_hub_answers
 from workbench.base.metrics import full_numel
 from workbench.hardware.current import current_device, local_kind
 from workbench.hardware.precision import concrete, frozen_dtype_of, vocabulary_dtype
@@ -39,6 +40,8 @@ def resolve_model_path(path: str) -> str:
 
 
 def _hub_call(path: str, what: str, load):
+    if not Path(path).exists():  # a hub id: a hub that never answers is named in seconds, not waited on
+        check_hub_answers(path, "model", "model.path", ModelError)
     try:
         return load()
     except OSError as err:

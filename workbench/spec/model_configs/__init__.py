@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import ModelError
+from workbench.base.hub_reach import check_hub_answers
 
 if TYPE_CHECKING:
     from workbench.spec.recipe import AdapterSection, Recipe
@@ -99,6 +100,7 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
     shipped = find_config(path)
     if shipped is not None:
         return AutoConfig.from_pretrained(str(shipped)), "shipped config", None
+    check_hub_answers(path, "model", "model.path", ModelError)
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
