@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import quote
 
-from workbench.base.errors import WorkbenchError, printable
+from workbench.base.errors import WorkbenchError, escaped
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _answered: set[str] = set()  # endpoints that answered in this process: one question each is enough
@@ -61,5 +61,5 @@ def check_hub_answers(name: str, kind: str, label: str, error: type[WorkbenchErr
 
 def _late(label: str, name: str, kind: str, endpoint: str, seconds: float) -> str:
     what = "model" if kind == "model" else "data set"
-    return (f"{label}: the Hugging Face Hub at {printable(endpoint)} did not answer within {seconds:g} s (loading the "
-            f"{what} '{printable(name)}'; HF_HUB_ETAG_TIMEOUT sets the wait, HF_HUB_OFFLINE=1 uses the local cache)")
+    return (f"{label}: the Hugging Face Hub at {escaped(endpoint)} did not answer within {seconds:g} s (loading the "
+            f"{what} '{escaped(name)}'; HF_HUB_ETAG_TIMEOUT sets the wait, HF_HUB_OFFLINE=1 uses the local cache)")
