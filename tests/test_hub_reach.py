@@ -1,6 +1,6 @@
-"""`train`, `estimate` and `data` online against a hub that accepts and never answers: one line naming what was
-being loaded and the endpoint, within the hub library's wait, never a silent hang. Each in a fresh process with
-HF_HUB_OFFLINE unset."""
+"""`train`, `estimate`, `generate` and `data` online against a hub that accepts and never answers: one line naming
+what was being loaded and the endpoint, within the hub library's wait, never a silent hang. Each in a fresh process
+with HF_HUB_OFFLINE unset."""
 
 import os
 import subprocess
@@ -16,6 +16,7 @@ from conftest import ROOT
      "model.path",
      "org/some-model", "model"),
     (["estimate", "recipes/tiny.yaml", "model.path=org/some-model"], "model.path", "org/some-model", "model"),
+    (["generate", "org/some-model", "--prompt", "hi"], "model.path", "org/some-model", "model"),
     (["data", "recipes/tiny.yaml", "data.train=org/some-dataset"], "org/some-dataset", "org/some-dataset", "data set"),
 ])
 def test_a_hub_that_never_answers_is_one_line_naming_what_was_loaded(command, field, name, kind, tmp_path):

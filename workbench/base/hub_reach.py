@@ -18,7 +18,6 @@ from urllib.parse import quote
 from workbench.base.errors import WorkbenchError, escaped
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
-_answered: set[str] = set()  # endpoints that answered in this process: one question each is enough
 
 
 def _offline(*variables: str) -> bool:
@@ -39,8 +38,6 @@ def check_hub_answers(name: str, kind: str, label: str, error: type[WorkbenchErr
     if _offline(*offline_variables):
         return
     endpoint = constants.ENDPOINT.rstrip("/")
-    if endpoint in _answered:
-        return
     seconds = constants.HF_HUB_ETAG_TIMEOUT
     url = f"{endpoint}/api/{kind}s/{quote(name, safe='/')}"
     try:
@@ -56,7 +53,6 @@ def check_hub_answers(name: str, kind: str, label: str, error: type[WorkbenchErr
         return  # no answer of another kind: the library reports it (or loads from its cache)
     except (OSError, ValueError):  # a malformed endpoint, a dropped connection: the library's to report
         return
-    _answered.add(endpoint)
 
 
 def _late(label: str, name: str, kind: str, endpoint: str, seconds: float) -> str:

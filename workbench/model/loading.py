@@ -26,7 +26,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_model_path(path: str) -> str:
-    """A builtin name becomes its cached folder; a local folder stays; anything else is a hub id."""
+    """A builtin name becomes its cached folder; a local folder stays; anything else is a hub id, and the hub
+    must answer within its wait (the id is loaded next)."""
     if is_builtin(path):
         return str(resolve_builtin(path))
     local = Path(path).expanduser()
@@ -36,12 +37,11 @@ def resolve_model_path(path: str) -> str:
         return str(local)
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise ModelError(f"model.path: {escaped(path)} does not exist (and is not a hub id of the form owner/name)")
+    check_hub_answers(path, "model", "model.path", ModelError)  # a hub that never answers: named in seconds
     return path
 
 
 def _hub_call(path: str, what: str, load):
-    if not Path(path).exists():  # a hub id: a hub that never answers is named in seconds, not waited on
-        check_hub_answers(path, "model", "model.path", ModelError)
     try:
         return load()
     except OSError as err:
