@@ -121,3 +121,37 @@ def test_cli_shows_escape_sequences_of_a_recipe_escaped(field, tmp_path, capsys)
     assert not any(c in err for c in "\x1b\x07\r\x9b")  # ... but none of its control characters reach the terminal
     assert "missing\\x1b]0;pwned\\x07\\x1b[2J\\x0derror: fake line\\x9b" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command, field", [(["validate"], "data.train"), (["validate"], "data.chat_template"),
+                                            (["data"], "data.train")])
+def test_a_line_break_in_a_file_name_stays_on_the_errors_one_line(command, field, tmp_path, capsys):
+    recipe = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
+    section, key = field.split(".")
+    recipe[section][key] = str(tmp_path / "missing\nerror: fake line\r.jsonl")
+    path = tmp_path / "named\nwith a break.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main([*command, str(path), *(["--preflight"] if command == ["validate"] else [])]) == 2
+    err = capsys.readouterr().err
+    assert "missing\\x0aerror: fake line\\x0d.jsonl" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_a_bad_row_of_a_file_named_with_a_line_break_is_one_line(tmp_path, capsys):
+    data = tmp_path / "e\x1b[31mRED\n.jsonl"
+    data.write_text('{"text": "a"}\nnot json\n')
+    recipe = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
+    recipe["data"]["train"] = str(data)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["data", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path}/e\\x1b[31mRED\\x0a.jsonl:2: invalid JSON (Expecting value)\n"
+
+
+def test_a_recipe_file_named_with_a_line_break_keeps_one_problem_a_line(tmp_path, capsys):
+    path = tmp_path / "named\nwith a break.yaml"
+    path.write_text("training:\n  bogus: 1\nadapter:\n  bogus: 2\n")
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all("named\\x0awith a break.yaml: " in line for line in lines), lines

@@ -320,6 +320,31 @@ def test_an_sbatch_arg_cannot_set_the_scripts_options_in_any_spelling(tmp_path, 
     assert not script.exists()
 
 
+@pytest.mark.parametrize("arg", ['--"time"=00:01:00', '--qos=high "--time=00:01:00"', "--qos=high \\--signal=B:USR1@1",
+                                 "--'signal'=USR1@1", '--qos="high"', "--comment=it's"])
+def test_an_sbatch_arg_with_quotes_or_backslashes_is_refused(tmp_path, capsys, arg):
+    # sbatch unquotes an #SBATCH line as it reads it: `--"time"` is --time, `\--signal` is --signal
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sbatch-arg: ") and "holds a quote or a backslash" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert not script.exists()
+
+
+@pytest.mark.parametrize("arg, named", [("--array=0-3", "--array is not accepted"),
+                                        ("--arr 1-2", "--arr (abbreviating --array) is not accepted"),
+                                        ("--error=/tmp/x.err", "--error is not accepted"),
+                                        ("--qos=high --err /tmp/x.err",
+                                         "--err (abbreviating --error) is not accepted")])
+def test_an_sbatch_arg_for_an_array_or_a_second_log_is_refused(tmp_path, capsys, arg, named):
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --sbatch-arg: {named}: ") and len(err.splitlines()) == 1, err
+    assert not script.exists()
+
+
 def test_an_sbatch_arg_of_its_own_and_the_signal_bounds_of_slurm(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     for arg in ("--qos=high", "--nodelist node1", "--reservation=mine", "--mail-type=END"):  # none the script sets

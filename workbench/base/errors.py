@@ -14,6 +14,16 @@ def printable(text: object) -> str:
     return str(text).translate(_CONTROL)
 
 
+_EVERY_CONTROL = {**_CONTROL, **{c: f"\\x{c:02x}" for c in (0x09, 0x0A)}}
+
+
+def escaped(value: object) -> str:
+    """`value` (a path, a name: the user's text quoted inside a message) with every control character written as
+    \\xNN, line breaks and tabs included: a file named with a newline must not split a one-line error in two.
+    Escape the value as the message is built, never the finished message (a message may list problems a line each)."""
+    return str(value).translate(_EVERY_CONTROL)
+
+
 class WorkbenchError(Exception):
     exit_code = 1
 

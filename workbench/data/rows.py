@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 from workbench.base.builtin import cache_dir
-from workbench.base.errors import DataError
+from workbench.base.errors import DataError, escaped
+from workbench.base.hub_reach import check_hub_answers
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -37,11 +38,11 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
     if local.exists():
         builder = LOCAL_FORMATS.get(local.suffix.lower())
         if builder is None:
-            raise DataError(f"{path}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
+            raise DataError(f"{escaped(path)}: unsupported file type '{local.suffix}' (use {', '.join(LOCAL_FORMATS)})")
         if local.is_dir():
-            raise DataError(f"{path}: is a folder; give a {', '.join(LOCAL_FORMATS)} file")
+            raise DataError(f"{escaped(path)}: is a folder; give a {', '.join(LOCAL_FORMATS)} file")
         if not local.is_file():  # a FIFO or a device would block the reader, or never end
-            raise DataError(f"{path}: not a regular file; give a {', '.join(LOCAL_FORMATS)} file")
+            raise DataError(f"{escaped(path)}: not a regular file; give a {', '.join(LOCAL_FORMATS)} file")
         lines = None
         try:
             if local.suffix.lower() == ".jsonl":
@@ -51,7 +52,7 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
             where = _row_locator(local)
             digest, snapshot = _snapshot(local)
         except OSError as err:
-            raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
+            raise DataError(f"{escaped(path)}: cannot read ({err.strerror or err})") from None
         try:
             # Parse the snapshot, not the file: the rows are the bytes that were hashed. (datasets caches a
             # local file by path and mtime, so a rewritten file with an old mtime would come back stale.)
@@ -65,11 +66,11 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
                 try:
                     dataset = datasets.Dataset.from_list([json.loads(line) for _, line in json_lines(snapshot)])
                 except Exception:  # noqa: BLE001  the original error says more
-                    raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
+                    raise DataError(f"{escaped(path)}: cannot read as {builder}: {first_line(err)}") from None
             else:
                 if local.suffix.lower() == ".csv":
                     check_utf8(local)
-                raise DataError(f"{path}: cannot read as {builder}: {first_line(err)}") from None
+                raise DataError(f"{escaped(path)}: cannot read as {builder}: {first_line(err)}") from None
         untyped = _untyped(dataset.features)
         if untyped and local.suffix.lower() == ".jsonl":
             # a column of several JSON types comes back re-read value by value ("1." as 1.0, blamed on a good row):
@@ -79,16 +80,19 @@ def load_rows(path: str, split: str = "train", check_row: Callable[[dict, str], 
         if builder == "csv":
             _check_cells(dataset, needs, where)
         if lines is not None and len(dataset) != lines:  # never train on fewer rows than the file holds
-            raise DataError(f"{path}: the JSON reader returned {len(dataset)} rows for {lines} non-blank lines; "
-                            "check the file for rows it cannot represent")
+            raise DataError(f"{escaped(path)}: the JSON reader returned {len(dataset)} rows for {lines} non-blank "
+                            "lines; check the file for rows it cannot represent")
         return Rows(dataset, path, where, digest)
     if path.count("/") != 1 or path.startswith((".", "/")):
-        raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+        raise DataError(f"{escaped(path)}: no such file (and not a hub data set name of the form owner/name)")
+    check_hub_answers(path, "dataset", path, DataError)
     try:
         dataset = datasets.load_dataset(path, split=split)
     except Exception as err:
-        raise DataError(f"{path}: cannot load hub data set (offline or not found): {first_line(err)}") from None
-    return Rows(dataset, path, lambda i: f"{path}[{split}] row {i}", f"hub:{path}:{split}:{dataset._fingerprint}")
+        raise DataError(f"{escaped(path)}: cannot load hub data set (offline or not found): "
+                        f"{first_line(err)}") from None
+    return Rows(dataset, path, lambda i: f"{escaped(path)}[{split}] row {i}",
+                f"hub:{path}:{split}:{dataset._fingerprint}")
 
 
 def csv_as_text(path: Path) -> dict:
@@ -131,7 +135,7 @@ def _check_json_lines(path: Path) -> int:
         rows += 1
         json_row(path, number, line)
     if not number:
-        raise DataError(f"{path}: no rows (the file is empty or blank)")
+        raise DataError(f"{escaped(path)}: no rows (the file is empty or blank)")
     return rows
 
 
@@ -142,17 +146,18 @@ def json_row(path: Path, number: int, line: str) -> dict:
         line.encode("utf-8")
     except UnicodeEncodeError as err:
         byte = ord(line[err.start]) - 0xDC00  # surrogateescape keeps the raw byte
-        raise DataError(f"{path}:{number}: not UTF-8 text (byte {byte:#04x} at column {err.start + 1})") from None
+        raise DataError(f"{escaped(path)}:{number}: not UTF-8 text (byte {byte:#04x} at column "
+                        f"{err.start + 1})") from None
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        raise DataError(f"{escaped(path)}:{number}: invalid JSON ({err.msg})") from None
     except RecursionError:
-        raise DataError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
+        raise DataError(f"{escaped(path)}:{number}: invalid JSON (nested too deeply)") from None
     if not isinstance(row, dict):
-        raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+        raise DataError(f"{escaped(path)}:{number}: each line must be a JSON object, got {type(row).__name__}")
     if not row:  # the JSON reader silently drops `{}` beside a list-valued field
-        raise DataError(f"{path}:{number}: an empty row ({{}}): give it the data format's fields or remove it")
+        raise DataError(f"{escaped(path)}:{number}: an empty row ({{}}): give it the data format's fields or remove it")
     return row
 
 
@@ -164,14 +169,14 @@ def _check_json_document(path: Path) -> None:
     try:
         document = json.loads(text)
     except RecursionError:
-        raise DataError(f"{path}: invalid JSON (nested too deeply)") from None
+        raise DataError(f"{escaped(path)}: invalid JSON (nested too deeply)") from None
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and "\n" not in text[: err.pos].strip():  # JSON lines under a .json name
             _check_json_lines(path)
             return
-        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        raise DataError(f"{escaped(path)}:{err.lineno}: invalid JSON ({err.msg})") from None
     if not isinstance(document, (list, dict)):
-        raise DataError(f"{path}: a .json file must hold an array of rows, got {type(document).__name__}")
+        raise DataError(f"{escaped(path)}: a .json file must hold an array of rows, got {type(document).__name__}")
 
 
 MAX_JSON_DEPTH = 63  # pyarrow's JSON reader refuses deeper nesting
@@ -266,7 +271,7 @@ def check_utf8(path: Path) -> None:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise DataError(
-                    f"{path}:{number}: not UTF-8 text (byte {line[err.start]:#04x} at column {err.start + 1})"
+                    f"{escaped(path)}:{number}: not UTF-8 text (byte {line[err.start]:#04x} at column {err.start + 1})"
                 ) from None
 
 
@@ -274,10 +279,10 @@ def _row_locator(path: Path) -> Callable[[int], str]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         lines = [n for n, _ in json_lines(path)]
-        return lambda i: f"{path}:{lines[i]}" if i < len(lines) else f"{path} row {i}"
+        return lambda i: f"{escaped(path)}:{lines[i]}" if i < len(lines) else f"{escaped(path)} row {i}"
     if suffix == ".csv":
-        return lambda i: f"{path}:{i + 2}"  # header is line 1
-    return lambda i: f"{path} record {i}"
+        return lambda i: f"{escaped(path)}:{i + 2}"  # header is line 1
+    return lambda i: f"{escaped(path)} record {i}"
 
 
 def _snapshot(path: Path) -> tuple[str, Path]:

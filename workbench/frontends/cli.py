@@ -177,7 +177,7 @@ def _add_training_commands(sub) -> None:
     slurm.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
                        help="SIGUSR1 this long before the time limit: checkpoint and requeue (0: none)")
     slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="FLAG",
-                       help="one more #SBATCH line, e.g. --sbatch-arg=--qos=high (repeatable)")
+                       help="one more #SBATCH line, e.g. --sbatch-arg=--qos=high (repeatable, unquoted)")
     slurm.add_argument("--script", default=None, help="where to write it (default: beside the run directory)")
     slurm.add_argument("--submit", action="store_true", help="also sbatch it")
 

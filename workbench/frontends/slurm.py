@@ -59,6 +59,10 @@ OWN_OPTIONS = {"--cpus-per-task": "--cpus-per-task", "--nodes": "--nodes", "--nt
                "--signal": "--signal-before", "--time": "--time", "--partition": "--partition",
                "--account": "--account", "--job-name": "name=...", "--requeue": "(always requeue)",
                "--no-requeue": "(always requeue)"}
+# options the script cannot run under, and why
+REFUSED_OPTIONS = {"--array": "each task of an array would be a copy of the one run, all writing one run directory",
+                   "--error": "the job's one log (beside the run directory) holds both output and errors"}
+QUOTING = "\"'\\"  # what sbatch removes from an #SBATCH line as it reads it
 SIGNAL_BEFORE_MAX = 65535  # SLURM keeps --signal's seconds in 16 bits
 SCRIPT_MARK = "#!/bin/bash\n# workbench slurm"  # how a script this command wrote begins
 
@@ -159,6 +163,11 @@ def _check_extra(arg: str) -> None:
     Short options (-o, -J, -t, ...) are refused outright: several stand for the script's own."""
     if not arg.startswith("--"):
         raise RecipeError(f"--sbatch-arg: an sbatch option such as --qos=high (its long form), got {arg!r}")
+    # sbatch unquotes an #SBATCH line as a shell would (`--"time"=1` is --time, `\--signal` is --signal): rather
+    # than guess its parser's every rule, the characters it reads that way are not accepted
+    if any(c in arg for c in QUOTING):
+        raise RecipeError(f"--sbatch-arg: {arg!r} holds a quote or a backslash, which sbatch removes as it reads "
+                          "the #SBATCH line (hiding the option it sets); give the option without them")
     # sbatch reads every option on an #SBATCH line: `--qos=high --signal=X` sets both
     for word in arg.split():
         if word.startswith("-"):
@@ -174,6 +183,10 @@ def _check_option(option: str, arg: str) -> None:
         what = f"{own} is" if option == own else f"{option} abbreviates or overrides {own}, which is"
         raise RecipeError(f"--sbatch-arg: {what} set by the script itself; use `workbench slurm "
                           f"{OWN_OPTIONS[own]}` instead")
+    refused = next((name for name in REFUSED_OPTIONS if name.startswith(option)), None)
+    if refused is not None:
+        what = refused if option == refused else f"{option} (abbreviating {refused})"
+        raise RecipeError(f"--sbatch-arg: {what} is not accepted: {REFUSED_OPTIONS[refused]}")
 
 
 def submit(path: Path) -> str:

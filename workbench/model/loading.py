@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from workbench.base.builtin import is_builtin, resolve_builtin
-from workbench.base.errors import ModelError
+from workbench.base.errors import ModelError, escaped
+from workbench.base.hub_reach import check_hub_answers
 from workbench.base.metrics import full_numel
 from workbench.hardware.current import current_device, local_kind
 from workbench.hardware.precision import concrete, frozen_dtype_of, vocabulary_dtype
@@ -25,16 +26,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_model_path(path: str) -> str:
-    """A builtin name becomes its cached folder; a local folder stays; anything else is a hub id."""
+    """A builtin name becomes its cached folder; a local folder stays; anything else is a hub id, and the hub
+    must answer within its wait (the id is loaded next)."""
     if is_builtin(path):
         return str(resolve_builtin(path))
     local = Path(path).expanduser()
     if local.exists():
         if not (local / "config.json").exists():
-            raise ModelError(f"model.path: {local} has no config.json (not a transformers model folder)")
+            raise ModelError(f"model.path: {escaped(local)} has no config.json (not a transformers model folder)")
         return str(local)
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise ModelError(f"model.path: {path} does not exist (and is not a hub id of the form owner/name)")
+        raise ModelError(f"model.path: {escaped(path)} does not exist (and is not a hub id of the form owner/name)")
+    check_hub_answers(path, "model", "model.path", ModelError)  # a hub that never answers: named in seconds
     return path
 
 
@@ -44,7 +47,8 @@ def _hub_call(path: str, what: str, load):
     except OSError as err:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else "no network or no such repository"
-        raise ModelError(f"model.path: cannot load the {what} of '{path}' from the hub: {hint} ({err})") from None
+        raise ModelError(f"model.path: cannot load the {what} of '{escaped(path)}' from the hub: {hint} "
+                         f"({err})") from None
 
 
 def load_tokenizer(model: ModelSection, chat_template: str | None = None):
@@ -146,7 +150,7 @@ def read_without_mapping(path: str, recipe: Recipe, kwargs: dict):
             except TypeError:  # a safetensors without plain reads
                 return None
             except (SafetensorError, OSError) as err:
-                raise ModelError(f"model.path: {file} is not a readable safetensors file ({err})") from None
+                raise ModelError(f"model.path: {escaped(file)} is not a readable safetensors file ({err})") from None
         weights = {name: handle.get_slice(name) for handle in handles for name in handle.keys()}
         try:
             model = cls.from_pretrained(None, state_dict=weights, **{**kwargs, "config": config})

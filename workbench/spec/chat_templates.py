@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from workbench.base.errors import RecipeError
+from workbench.base.errors import RecipeError, escaped
 
 FIELD = "data.chat_template"
 LARGEST_TEMPLATE = 1 << 20  # bytes: a chat template is a few kB; a file larger than this is not one
@@ -132,15 +132,15 @@ def template_source(value: str) -> tuple[str, str]:
         return TEMPLATES[value].source, value
     path = Path(value).expanduser()
     if not path.is_file():
-        raise RecipeError(f"{FIELD}: {value} is neither a registered template ({', '.join(NAMES)}) nor a file")
+        raise RecipeError(f"{FIELD}: {escaped(value)} is neither a registered template ({', '.join(NAMES)}) nor a file")
     if path.stat().st_size > LARGEST_TEMPLATE:
-        raise RecipeError(f"{FIELD}: {value} is larger than {LARGEST_TEMPLATE >> 20} MB: not a chat template")
+        raise RecipeError(f"{FIELD}: {escaped(value)} is larger than {LARGEST_TEMPLATE >> 20} MB: not a chat template")
     try:
         source = path.read_text(encoding="utf-8-sig")  # a byte-order mark would become tokens of every example
     except UnicodeDecodeError as err:
-        raise RecipeError(f"{FIELD}: {value} is not UTF-8 text (byte {err.start})") from None
+        raise RecipeError(f"{FIELD}: {escaped(value)} is not UTF-8 text (byte {err.start})") from None
     except OSError as err:
-        raise RecipeError(f"{FIELD}: {value}: cannot read ({err.strerror or err})") from None
+        raise RecipeError(f"{FIELD}: {escaped(value)}: cannot read ({err.strerror or err})") from None
     _parse(source, value)
     return source, value
 
@@ -151,7 +151,7 @@ def _parse(source: str, name: str) -> None:
     try:
         _environment().parse(source)
     except TemplateSyntaxError as err:
-        raise RecipeError(f"{FIELD}: {name}:{err.lineno}: {err.message}") from None
+        raise RecipeError(f"{FIELD}: {escaped(name)}:{err.lineno}: {err.message}") from None
 
 
 # -- rendering within a budget ------------------------------------------------------------------
@@ -538,17 +538,17 @@ def end_of_turn(tokenizer, name: str) -> str:
     try:
         text = render(tokenizer, _PROBE)
     except TemplateFailure as err:
-        raise RecipeError(f"{FIELD}: {name} cannot render a user message and a reply: {err}") from None
+        raise RecipeError(f"{FIELD}: {escaped(name)} cannot render a user message and a reply: {err}") from None
     except Exception as err:  # noqa: BLE001  a user's template can fail in any way (1/0, recursion, memory)
-        raise RecipeError(f"{FIELD}: {name} cannot render a user message and a reply: "
+        raise RecipeError(f"{FIELD}: {escaped(name)} cannot render a user message and a reply: "
                           f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     if _PROBE_REPLY not in text:
-        raise RecipeError(f"{FIELD}: {name} leaves the assistant's reply out of what it renders")
+        raise RecipeError(f"{FIELD}: {escaped(name)} leaves the assistant's reply out of what it renders")
     after = text.split(_PROBE_REPLY, 1)[1]
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     for token_id in tokenizer(after, add_special_tokens=False)["input_ids"]:
         if token_id in special:
             return tokenizer.convert_ids_to_tokens(token_id)
-    raise RecipeError(f"{FIELD}: {name} ends the assistant's turn with {after[:60]!r}, which holds no special token "
-                      f"of this tokenizer (its EOS is {tokenizer.eos_token!r}): a model tuned on it would not learn "
-                      f"to stop. Use a template whose turns end with a token this tokenizer has")
+    raise RecipeError(f"{FIELD}: {escaped(name)} ends the assistant's turn with {after[:60]!r}, which holds no "
+                      f"special token of this tokenizer (its EOS is {tokenizer.eos_token!r}): a model tuned on it "
+                      f"would not learn to stop. Use a template whose turns end with a token this tokenizer has")

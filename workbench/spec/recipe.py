@@ -18,7 +18,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
                       model_validator)
 
-from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.errors import RecipeError, WorkbenchError, escaped
 from workbench.base.units import parse_bytes
 from workbench.spec.adapter_init import INITS, LOFTQ_REFUSED
 from workbench.spec.chat_templates import NAMES as CHAT_TEMPLATES, check_value as _chat_template_value
@@ -481,12 +481,13 @@ class Recipe(Section):
         try:
             raw = path.read_bytes()
         except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-            raise RecipeError(f"{path}: cannot read recipe ({getattr(err, 'strerror', None) or err})") from None
+            raise RecipeError(f"{escaped(path)}: cannot read recipe "
+                              f"({getattr(err, 'strerror', None) or err})") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             line = raw.count(b"\n", 0, err.start) + 1
-            raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
+            raise RecipeError(f"{escaped(path)}:{line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
         data = parse_recipe_yaml(text, str(path))
         if isinstance(data, dict):
             data = apply_overrides(data, overrides or [])
@@ -558,6 +559,7 @@ def _sections_in(annotation, listed: bool = False) -> list[tuple[type[BaseModel]
 def parse_recipe_yaml(text: str, source: str) -> Any:
     """What a recipe's YAML text holds ({} for an empty text); RecipeError naming `source:line` otherwise.
     The CLI, the Python API and the UI's YAML editor all read recipes through this."""
+    source = escaped(source)  # a file name's line break must not split the error's line
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -641,7 +643,7 @@ def _first_line(err: Exception) -> str:
 
 def _describe(err: ValidationError, source: str) -> str:
     """One line per problem: `source: a.b.c: what is wrong`, with a suggestion for unknown keys."""
-    lines = []
+    lines, source = [], escaped(source)  # a recipe file's name with a line break must not split its line
     for problem in err.errors():
         # a key "a\nb" must not break the line; the tags of data.train's two shapes are no key
         raw = problem["loc"]

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.errors import RecipeError, WorkbenchError, escaped
 from workbench.distributed.trackers import check_trackers
 from workbench.spec.formats import format_of
 from workbench.spec.recipe import Recipe
@@ -50,11 +50,13 @@ def check_data_files(recipe: Recipe) -> None:
         path = Path(value)
         if path.exists():
             if path.is_dir():
-                raise RecipeError(f"data.{field}: {value} is a folder; give a .jsonl, .json, .csv or .parquet file")
+                raise RecipeError(f"data.{field}: {escaped(value)} is a folder; give a .jsonl, .json, .csv or "
+                                  ".parquet file")
             if not os.access(path, os.R_OK):
-                raise RecipeError(f"data.{field}: {value} is not readable")
+                raise RecipeError(f"data.{field}: {escaped(value)} is not readable")
         elif _looks_like_a_file(value):  # not a hub data set id
-            raise RecipeError(f"data.{field}: file {value} not found (paths are relative to {Path.cwd()})")
+            raise RecipeError(f"data.{field}: file {escaped(value)} not found (paths are relative to "
+                              f"{escaped(Path.cwd())})")
 
 
 def _looks_like_a_file(value: str) -> bool:
@@ -67,20 +69,20 @@ def check_output_dir(recipe: Recipe, resume: bool = False) -> None:
     target = recipe.run_dir
     try:
         if target.is_symlink() and not target.exists():
-            raise RecipeError(f"output.dir: {target} is a symbolic link to nothing")
+            raise RecipeError(f"output.dir: {escaped(target)} is a symbolic link to nothing")
         if target.exists() and not target.is_dir():
-            raise RecipeError(f"output.dir: {target} exists and is not a folder")
+            raise RecipeError(f"output.dir: {escaped(target)} exists and is not a folder")
         if target.is_dir() and any(target.iterdir()) and not (target / "run.json").exists() and not resume:
-            raise RecipeError(f"output.dir: {target} is a folder that holds no run (no run.json); a run is written "
-                              "only into a new or empty folder, or over an earlier run")
+            raise RecipeError(f"output.dir: {escaped(target)} is a folder that holds no run (no run.json); a run is "
+                              "written only into a new or empty folder, or over an earlier run")
         existing = target if target.exists() else _nearest_existing(target)
     except OSError as err:  # a name too long, a folder that cannot be listed
-        raise RecipeError(f"output.dir: {target}: {err.strerror or err}") from None
+        raise RecipeError(f"output.dir: {escaped(target)}: {err.strerror or err}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".workbench-write-test-"):
             pass
     except OSError as err:
-        raise RecipeError(f"output.dir: cannot write in {existing} ({err.strerror or err})") from None
+        raise RecipeError(f"output.dir: cannot write in {escaped(existing)} ({err.strerror or err})") from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workbench.base.builtin import is_builtin, resolve_builtin
-from workbench.base.errors import ModelError
+from workbench.base.errors import ModelError, escaped
+from workbench.base.hub_reach import check_hub_answers
 
 if TYPE_CHECKING:
     from workbench.spec.recipe import AdapterSection, Recipe
@@ -99,11 +100,12 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
     shipped = find_config(path)
     if shipped is not None:
         return AutoConfig.from_pretrained(str(shipped)), "shipped config", None
+    check_hub_answers(path, "model", "model.path", ModelError)
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         known = ", ".join(shipped_configs())
-        raise ModelError(f"model.path: no config for '{path}' offline and the hub did not answer ({err}); "
+        raise ModelError(f"model.path: no config for '{escaped(path)}' offline and the hub did not answer ({err}); "
                          f"shipped configs: {known}") from None
     return config, "hub", None
 
@@ -123,15 +125,15 @@ def checkpoint_files(folder: Path) -> list[Path] | None:
     try:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ModelError(f"model.path: {index} is not a shard index ({type(err).__name__}: {err})") from None
+        raise ModelError(f"model.path: {escaped(index)} is not a shard index ({type(err).__name__}: {err})") from None
     inside = folder.resolve()
     files = []
     for name in shards:
         file = (folder / str(name)).resolve()
         if not file.is_relative_to(inside):
-            raise ModelError(f"model.path: {index} names a shard outside the model folder: {name}")
+            raise ModelError(f"model.path: {escaped(index)} names a shard outside the model folder: {escaped(name)}")
         if not file.is_file():
-            raise ModelError(f"model.path: {index} names a shard that is missing: {name}")
+            raise ModelError(f"model.path: {escaped(index)} names a shard that is missing: {escaped(name)}")
         files.append(file)
     return files
 
@@ -149,7 +151,7 @@ def stored_vocabulary_dtype(files: list[Path] | None, vocab: int, hidden: int) -
                 (length,) = struct.unpack("<Q", handle.read(8))
                 header = json.loads(handle.read(min(length, 100 << 20)))
         except (OSError, ValueError, struct.error):
-            raise ModelError(f"model.path: {file} is not a readable safetensors file") from None
+            raise ModelError(f"model.path: {escaped(file)} is not a readable safetensors file") from None
         for name, entry in header.items():
             if name != "__metadata__" and isinstance(entry, dict) and entry.get("shape") == [vocab, hidden]:
                 return names.get(entry.get("dtype"))
