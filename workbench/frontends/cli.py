@@ -77,9 +77,14 @@ def _interrupted(message: str, exit_code: int, argv: list[str] | None) -> int:
     """Say why and give the exit code of a stopped run. In the program itself (argv from the command line) another
     SIGINT from here on is ignored: Python puts the default action back while it shuts down, and a second Ctrl-C
     (or a launcher's copy of the first) landing then would end the process by the signal instead of this code."""
-    print(printable(message), file=sys.stderr)
     if argv is None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while True:  # a SIGINT landing before the ignore holds raises once more, here: ignore that one too
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                break
+            except KeyboardInterrupt:
+                continue
+    print(printable(message), file=sys.stderr)
     return exit_code
 
 
