@@ -184,7 +184,8 @@ def test_a_checkpoint_with_other_learning_rate_groups_is_refused_and_leaves_the_
     meta = run.checkpoint(2) / "workbench_checkpoint.json"
     written = json.loads(meta.read_text())
     # as LoRA+ wrote it before the embedding factors had a group of their own: A's rate and B's
-    written["scheduler"]["base_lrs"] = written["scheduler"]["base_lrs"][::2]
+    for key in ("base_lrs", "_last_lr"):
+        written["scheduler"][key] = written["scheduler"][key][::2]
     meta.write_text(json.dumps(written))
     before = {name: (run.path / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
     with pytest.raises(WorkbenchError, match=r"step-2 holds 2 learning-rate groups and this run 3 ") as refused:

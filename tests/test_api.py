@@ -56,7 +56,7 @@ def test_importing_the_package_is_instant_and_changes_nothing():
         from workbench.training import TrainingSession
         assert isinstance(wb.train, types.FunctionType) and wb.train.__module__ == "workbench.training.entry", wb.train
         assert "train" in dir(wb) and wb.__all__ == sorted(wb.__all__)
-        assert wb.runs.RunDir and callable(wb.heap.return_large_blocks)  # submodules load on first use too
+        assert wb.rundir.runs.RunDir and callable(wb.base.heap.return_large_blocks)  # floors load on first use too
         assert not any(hasattr(wb, name) for name in ("sys", "types", "annotations", "no_such_name"))
         print("ok")
     """

@@ -40,7 +40,7 @@ def __getattr__(name: str):
     if name in _API:
         value = getattr(import_quietly(f"{__name__}.{_API[name]}"), name)
     elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
-        value = import_quietly(f"{__name__}.{name}")  # a submodule: `workbench.base.heap.return_large_blocks()`
+        value = import_quietly(f"{__name__}.{name}")  # a floor: `workbench.estimator` (its modules: import them)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
