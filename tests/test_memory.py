@@ -489,7 +489,7 @@ def test_cpu_estimates_rise_with_the_batch_whatever_the_heap(monkeypatch):
 def test_the_heap_setting_is_what_the_estimate_assumes():
     """`workbench train` maps large blocks on its own; a process that trains without it is estimated as such."""
     code = """if True:
-        from workbench import heap
+        from workbench.base import heap
         assert heap.large_blocks_returned() == heap.supported() == True  # before: what the CLI would do
         heap.training_starts()
         assert heap.large_blocks_returned() is False  # wb.train in a process that never set it
