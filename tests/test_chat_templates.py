@@ -280,6 +280,12 @@ def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack,
         load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
 
 
+def test_pprint_which_the_budget_cannot_see_into_is_not_given(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages|pprint }}" + CHATML_TURNS)
+    with pytest.raises(RecipeError, match=r"t.jinja cannot render a user message and a reply: No filter named 'pprint'"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
+
+
 @pytest.mark.parametrize("name", ["lipsum", "cycler", "joiner"])
 def test_jinjas_globals_no_chat_template_uses_are_not_given(tmp_path, name):
     """lipsum(10**8) writes 10**8 words in one call: jinja's globals that no chat template uses are left out."""

@@ -18,6 +18,9 @@ from conftest import ROOT
     (["estimate", "recipes/tiny.yaml", "model.path=org/some-model"], "model.path", "org/some-model", "model"),
     (["generate", "org/some-model", "--prompt", "hi"], "model.path", "org/some-model", "model"),
     (["data", "recipes/tiny.yaml", "data.train=org/some-dataset"], "org/some-dataset", "org/some-dataset", "data set"),
+    (["data", "recipes/tiny.yaml", "data.train=org/some-dataset", "data.eval=null", "data.streaming=true",
+      "training.max_steps=2"],
+     "org/some-dataset", "org/some-dataset", "data set"),
 ])
 def test_a_hub_that_never_answers_is_one_line_naming_what_was_loaded(command, field, name, kind, tmp_path):
     from silent_server import SilentServer

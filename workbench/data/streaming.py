@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from workbench.base.errors import DataError
+from workbench.base.hub_reach import check_hub_answers
 from workbench.data.batches import STAND_IN
 from workbench.data.prepared import (PreparedData, SourceData, TokenizedData, best_fit_decreasing,
                                      chat_template_digest, evaluation_examples, every_answer_truncated,
@@ -110,6 +111,8 @@ def check_source(path: str) -> None:
             raise DataError(f"{path}: a stream reads {', '.join(STREAMED_SUFFIXES)} files (got '{local.suffix}')")
     elif path.count("/") != 1 or path.startswith((".", "/")):
         raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+    else:  # a hub that never answers: named in seconds, not after the libraries' retries
+        check_hub_answers(path, "dataset", path, DataError)
 
 
 def source_fingerprint(path: str, split: str) -> str:

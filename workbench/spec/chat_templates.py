@@ -432,6 +432,7 @@ def _environment():
     for name in ("lipsum", "cycler", "joiner"):  # jinja's defaults, which no chat template uses (lipsum(10**8))
         env.globals.pop(name, None)
     env.filters["tojson"] = tojson
+    del env.filters["pprint"]  # pretty-prints a nested value in one call the budget cannot see into
     for name, function in list(env.filters.items()):
         env.filters[name] = _checked_filter(name, function)
     env.filters["_counted"] = _counted
