@@ -270,6 +270,9 @@ CHATML_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + 
      "{% set ns.x = dbl(ns.x) %}{% endfor %}{{ ns.x|length }}", r"wrote more than"),
     ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set y %}{{ ns.x }}{{ ns.x }}{% endset %}"
      "{% set ns.x = y %}{% endfor %}{{ ns.x|length }}", r"wrote more than"),
+    # a namespace is as long as what it holds
+    ("{% set ns = namespace(s='y' * 1000000) %}{{ ([ns] * 2000)|string|length }}", r"repeats a sequence 2,000 times"),
+    ("{% set ns = namespace(s='y' * 1000000) %}{{ [ns] * 2000 }}", r"repeats a sequence 2,000 times"),
 ])
 def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack, message):
     """Jinja's sandbox caps one range(), not two nested ones: the work of a render has a budget of its own, and
@@ -277,6 +280,15 @@ def test_a_template_that_would_not_finish_is_stopped_and_named(tmp_path, attack,
     (tmp_path / "t.jinja").write_text(attack + CHATML_TURNS)
     with pytest.raises(RecipeError, match=rf"^data.chat_template: .*t.jinja cannot render a user message and a "
                                           rf"reply: it {message}"):
+        load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
+
+
+@pytest.mark.parametrize("call", ["('x' * 2000).translate({120: 'y' * 1000000})",
+                                  "('x' * 2000).encode().replace('x'.encode(), ('y' * 1000000).encode())"])
+def test_text_methods_the_budget_cannot_estimate_are_not_given(tmp_path, call):
+    (tmp_path / "t.jinja").write_text(f"{{{{ {call} }}}}" + CHATML_TURNS)
+    with pytest.raises(RecipeError, match=r"t.jinja cannot render a user message and a reply: access to attribute "
+                                          r"'(translate|encode)' of 'str' object is unsafe"):
         load_tokenizer(ModelSection(path="builtin:tiny"), str(tmp_path / "t.jinja"))
 
 

@@ -219,7 +219,10 @@ def _size(value, counts: bool = False, _seen: dict | None = None) -> int:
     if isinstance(value, (str, bytes)):
         return len(value)
     if not isinstance(value, (list, tuple, dict, set, frozenset)):
-        return 16  # a float, a namespace, a macro: written short
+        held = getattr(value, "_Namespace__attrs", None)  # a namespace writes out what it holds
+        if not isinstance(held, dict):
+            return 16  # a float, a macro: written short
+        value = held
     budget = _BUDGET.get()
     if budget is not None and id(value) in budget.known:
         return budget.known[id(value)]
@@ -400,6 +403,12 @@ def _environment():
                         child[:] = [nodes.Filter(c, "_bounded", [], [], None, None, lineno=c.lineno)
                                     if isinstance(c, nodes.Concat) else c for c in child]
             return tree
+
+        def is_safe_attribute(self, obj, attr, value):
+            # text methods whose results the budget cannot estimate, and which no chat template calls
+            if isinstance(obj, (str, bytes)) and attr in ("encode", "decode", "translate", "maketrans"):
+                return False
+            return super().is_safe_attribute(obj, attr, value)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  jinja's own signature
             _charge()
