@@ -257,7 +257,7 @@ TAMPERED = {
     "epoch-past-the-steps": ("workbench_checkpoint.json", lambda m: m["progress"].update(epoch=10 ** 15),
                              r"progress\.epoch: 1000000000000000, more than its 2 steps", (1, 4)),
     "epoch-its-steps-cannot-finish": ("workbench_checkpoint.json", lambda m: m["progress"].update(epoch=1),
-                                      r"progress\.epoch: 1, more epochs than its 2 steps finish", (1, 4)),
+                                      r"progress\.epoch: 1, where its 2 steps end in epoch 0", (1, 4)),
     "tokens-past-the-steps": ("workbench_checkpoint.json", lambda m: m["progress"].update(tokens=10 ** 40),
                               r"progress\.tokens: 10{40}, more than its 2 steps", (1, 4)),
     "flops-past-any-run": ("workbench_checkpoint.json", lambda m: m["progress"].update(flops=1e300),
@@ -269,13 +269,27 @@ TAMPERED = {
     "schedule-rates-per-group": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_last_lr=[0.1, 0.2]),
                                  r"scheduler: _last_lr holds 2 rates for 1 groups", (1, 4)),
     "portable-epoch-past-its-steps": ("portable.json", lambda m: m["progress"].update(epoch=2),
-                                       r"portable\.json: progress\.epoch: 2", (2, 2)),
+                                       r"portable\.json: progress\.epoch: 2, where", (2, 2)),
     "portable-schedule-text": ("portable.json", lambda m: m["scheduler"].update(_is_initial="no"),
                                r"portable\.json: scheduler\._is_initial", (2, 2)),
     "portable-negative-step": ("portable.json", lambda m: m["progress"].update(step=-3), r"progress\.step: .*-3",
                                (2, 2)),
     "portable-adam-step": ("portable.json", lambda m: m.update(adam_step=7), r"adam_step: 7, more than its 2 steps",
                            (2, 2)),
+    # plausible counters that are not the ones its steps give: they would continue at another place in the data
+    "place-at-the-epoch-start": ("workbench_checkpoint.json", lambda m: m["progress"].update(batches_in_epoch=0),
+                                 r"progress\.batches_in_epoch: 0, where its 2 steps of 4 micro-batch\(es\) read 8 ",
+                                 (1, 4)),
+    "place-a-step-back": ("workbench_checkpoint.json", lambda m: m["progress"].update(batches_in_epoch=4),
+                          r"progress\.batches_in_epoch: 4, where", (1, 4)),
+    "portable-adam-step-behind": ("portable.json", lambda m: m.update(adam_step=1),
+                                  r"adam_step: 1, where its 2 steps less 0 skipped made 2 updates", (2, 2)),
+    "portable-place-at-the-epoch-start": ("portable.json", lambda m: m.update(samples_in_epoch=0),
+                                          r"portable\.json: samples_in_epoch: 0, where workbench_checkpoint\.json "
+                                          r"places it 8 samples", (2, 2)),
+    "portable-place-not-the-checkpoint's": ("portable.json", lambda m: m["progress"].update(batches_in_epoch=4),
+                                            r"portable\.json: progress\.batches_in_epoch: 4, where "
+                                            r"workbench_checkpoint\.json holds 8", (2, 2)),
 }
 
 
@@ -305,12 +319,57 @@ def test_a_checkpoint_epoch_past_the_recipe_is_refused(tmp_path):
     from workbench.training.resume import Limits, _check_counters
 
     meta = {"micro_batch_size": 2, "grad_accum": 2, "world_size": 1}
-    _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 60 * 4 * 128}, 100, Limits(2, 128))
+    _check_counters(tmp_path, "m.json", meta, {"step": 40, "epoch": 1, "batches_in_epoch": 30, "tokens": 40 * 4 * 128},
+                    100, Limits(2, 128))
     with pytest.raises(WorkbenchError, match=r"m\.json: progress\.epoch: 2, where the recipe runs 2 epoch"):
         _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 2}, 100, Limits(2, 128))
     with pytest.raises(WorkbenchError, match=r"m\.json: progress\.tokens: 30721, more than its 60 steps can "
                                              r"read \(512 tokens a step at most\)"):
         _check_counters(tmp_path, "m.json", meta, {"step": 60, "epoch": 1, "tokens": 30721}, 100, Limits(2, 128))
+
+
+# (step, epoch, batches_in_epoch) of a run of 10 rows at micro-batch 2, accumulation 2, one process: 3 steps an
+# epoch (4 + 4 + 2 samples), 5 micro-batches; the last step of an epoch reads what is left of it
+PLACES_OF_10_ROWS = [(1, 0, 2), (2, 0, 4), (3, 0, 5), (4, 1, 2), (6, 1, 5), (7, 2, 2)]
+
+
+@pytest.mark.parametrize("step, epoch, place", PLACES_OF_10_ROWS)
+def test_the_epoch_and_its_place_are_the_ones_the_step_gives(tmp_path, step, epoch, place):
+    """Each counter is derived from the step (and the layout that wrote it); one edited to another plausible
+    value (the epoch before, the epoch's start, a step back) would continue on another shuffle or place."""
+    from workbench.training.resume import _check_counters
+
+    meta = {"micro_batch_size": 2, "grad_accum": 2, "world_size": 1}
+    _check_counters(tmp_path, "m.json", meta, {"step": step, "epoch": epoch, "batches_in_epoch": place}, 10, None)
+    for wrong_epoch in {epoch - 1, epoch + 1} - {-1}:
+        with pytest.raises(WorkbenchError, match=rf"m\.json: progress\.epoch: {wrong_epoch}, where its {step} steps "
+                                                 rf"end in epoch {epoch} "):
+            _check_counters(tmp_path, "m.json", meta, {"step": step, "epoch": wrong_epoch, "batches_in_epoch": place},
+                            10, None)
+    for wrong_place in {0, place - 1, place + 1, place - 2} - {place, -1}:
+        with pytest.raises(WorkbenchError, match=rf"m\.json: progress\.batches_in_epoch: {wrong_place}, where its "
+                                                 rf"{step} steps of 2 micro-batch\(es\) read {place} of epoch"):
+            _check_counters(tmp_path, "m.json", meta, {"step": step, "epoch": epoch, "batches_in_epoch": wrong_place},
+                            10, None)
+
+
+def test_a_streams_counters_are_held_to_what_its_steps_read(tmp_path):
+    """A stream's epoch has no known length: in its first epoch every step read its micro-batches but the last
+    (which may have ended it short); after that, at least one step per epoch, and a place its steps reach."""
+    import math
+
+    from workbench.training.resume import _check_counters
+
+    meta = {"micro_batch_size": 1, "grad_accum": 4, "world_size": 2}
+    for progress in ({"step": 3, "epoch": 0, "batches_in_epoch": 12}, {"step": 3, "epoch": 0, "batches_in_epoch": 9},
+                     {"step": 3, "epoch": 1, "batches_in_epoch": 8}, {"step": 3, "epoch": 2, "batches_in_epoch": 1}):
+        _check_counters(tmp_path, "m.json", meta, progress, math.inf, None)
+    for progress, field in (({"step": 3, "epoch": 0, "batches_in_epoch": 8}, "batches_in_epoch: 8"),
+                            ({"step": 3, "epoch": 0, "batches_in_epoch": 0}, "batches_in_epoch: 0"),
+                            ({"step": 3, "epoch": 1, "batches_in_epoch": 9}, "batches_in_epoch: 9"),
+                            ({"step": 3, "epoch": 3, "batches_in_epoch": 1}, "epoch: 3")):
+        with pytest.raises(WorkbenchError, match=rf"progress\.{field}, where"):
+            _check_counters(tmp_path, "m.json", meta, progress, math.inf, None)
 
 
 def test_the_checkpoint_schema_reads_every_field_the_loop_saves():

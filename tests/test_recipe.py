@@ -137,6 +137,23 @@ def test_a_line_break_in_a_file_name_stays_on_the_errors_one_line(command, field
     assert len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", [["merge", "RUN"], ["export", "RUN"], ["push", "RUN", "me/model"], ["stop", "RUN"],
+                                     ["train", "RECIPE", "--resume"], ["data", "RECIPE"]])
+def test_a_run_or_stream_named_with_a_line_break_stays_on_the_errors_one_line(command, tmp_path, capsys):
+    """A folder or file the user names is quoted escaped in every command's one-line error (a run that is not
+    there to merge, export, push, stop or resume; a stream's data file that is not there)."""
+    named = tmp_path / "run\nerror: fake line"
+    recipe = yaml.safe_load((ROOT / "recipes/tiny.yaml").read_text())
+    recipe["output"]["dir"] = str(named)
+    recipe["data"].update(train=str(named / "rows.jsonl"), streaming=True)
+    recipe["training"]["max_steps"] = 2
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main([{"RUN": str(named), "RECIPE": str(path)}.get(a, a) for a in command]) != 0
+    err = capsys.readouterr().err
+    assert "run\\x0aerror: fake line" in err and len(err.splitlines()) == 1, err
+
+
 def test_a_bad_row_of_a_file_named_with_a_line_break_is_one_line(tmp_path, capsys):
     data = tmp_path / "e\x1b[31mRED\n.jsonl"
     data.write_text('{"text": "a"}\nnot json\n')

@@ -108,6 +108,75 @@ def test_resume_auto_finds_a_completed_run_done_only_for_the_run_it_is(tiny_reci
     assert train(recipe, resume="auto", progress_bar=False).summary == done.summary
 
 
+def _rewrite_a_weight_in_place(folder: Path) -> None:
+    """What saving a merge over the base does: the same file, same size and names, other values."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name] + 0.01
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def test_a_run_on_a_base_model_rewritten_in_place_is_neither_done_nor_resumed(tiny_recipe, tiny_path, tmp_path):
+    """The adapter means something only on the weights it was trained against: a model.path folder whose weights
+    were rewritten in place (same path, same file names) is refused by `--resume auto` on the completed run and
+    by a resume of an unfinished one, naming model.path; a copy of the same files (new mtimes) still passes."""
+    import shutil
+
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_path, folder)
+    recipe = tiny_recipe.override(f"model.path={folder}", "training.max_steps=4", "output.save_every=2")
+    done = train(recipe, progress_bar=False)
+    run = RunDir(done.run_dir)
+    assert run.read_json()["summary"]["base_model"]["content"]
+    for item in folder.iterdir():  # the same bytes, copied again: other mtimes
+        shutil.copy(item, item.with_name(item.name + ".copy"))
+        os.replace(item.with_name(item.name + ".copy"), item)
+    assert train(recipe, resume="auto", progress_bar=False).summary == done.summary
+    kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    _rewrite_a_weight_in_place(folder)
+    with pytest.raises(RecipeError) as err:
+        train(recipe, resume="auto", progress_bar=False)
+    assert "completed: model.path: the base model's files" in str(err.value) and "\n" not in str(err.value)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept
+    # an unfinished run on it: the resume is refused too, before anything is written
+    shutil.rmtree(run.checkpoint(4))
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    with pytest.raises(WorkbenchError, match=r"^--resume: the base model in model\.path \(.*base\) changed since"):
+        train(recipe, resume=True, progress_bar=False)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept
+
+
+def test_the_base_model_fingerprint_holds_every_byte(tmp_path, monkeypatch):
+    """A rewrite of 64 KiB anywhere in a large file changes the digest (however the bytes are read); a copy of the
+    same bytes, or a second look, does not; builtins and hub ids have none."""
+    from workbench.model import base_fingerprint
+
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    big = folder / "model.safetensors"
+    big.write_bytes(bytes(range(256)) * (40 * 4096))  # 40 MiB
+    (folder / "config.json").write_text("{}")
+    recorded = base_fingerprint.fingerprint(str(folder))
+    assert not base_fingerprint.changed(recorded, str(folder))
+    size = big.stat().st_size
+    for where in (0, 2 * 1024 * 1024, size // 2, size - 100):  # the header, early, the middle, the end
+        data = bytearray(big.read_bytes())
+        data[where:where + 64 * 1024] = bytes(64 * 1024)
+        big.write_bytes(bytes(data))
+        assert base_fingerprint.changed(recorded, str(folder)), where
+        big.write_bytes(bytes(range(256)) * (40 * 4096))
+    assert not base_fingerprint.changed(recorded, str(folder))  # rewritten with its own bytes: other mtime, same
+    (folder / "extra.json").write_text("{}")
+    assert base_fingerprint.changed(recorded, str(folder))
+    assert base_fingerprint.fingerprint("builtin:tiny") is None and base_fingerprint.fingerprint("owner/name") is None
+
+
 def interrupted_run(tiny_recipe):
     """A run that saved step 2 of 4 and then died (as kill -9 leaves it: status running, no adapter)."""
     recipe = tiny_recipe.override("training.max_steps=4", "output.save_every=2")

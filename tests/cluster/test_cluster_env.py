@@ -345,9 +345,22 @@ def test_an_sbatch_arg_for_an_array_or_a_second_log_is_refused(tmp_path, capsys,
     assert not script.exists()
 
 
+@pytest.mark.parametrize("arg", ["--export=NONE", "--export NONE", "--expo=HF_HOME", "--qos=high --export=FOO=1",
+                                 "--get-user-env", "--get-user=10L"])
+def test_an_sbatch_arg_that_drops_the_submitting_environment_is_refused(tmp_path, capsys, arg):
+    # the run was checked in the environment it is submitted from (its cache, HF_HOME, offline settings)
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sbatch-arg: ") and len(err.splitlines()) == 1, err
+    assert "environment it was submitted from" in err, err
+    assert not script.exists()
+
+
 def test_an_sbatch_arg_of_its_own_and_the_signal_bounds_of_slurm(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
-    for arg in ("--qos=high", "--nodelist node1", "--reservation=mine", "--mail-type=END"):  # none the script sets
+    for arg in ("--qos=high", "--nodelist node1", "--reservation=mine", "--mail-type=END",  # none the script sets
+                "--export=ALL,HF_TOKEN_PATH=/secrets/t"):  # variables added to the submitting environment
         assert main(["slurm", RECIPE, f"--sbatch-arg={arg}", "--script", str(script)]) == 0, capsys.readouterr().err
         assert f"#SBATCH {arg}\n" in script.read_text()
     for seconds in ("0", "65535"):

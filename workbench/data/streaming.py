@@ -33,7 +33,7 @@ import random
 from pathlib import Path
 from typing import Iterator
 
-from workbench.base.errors import DataError
+from workbench.base.errors import DataError, escaped
 from workbench.base.hub_reach import check_hub_answers
 from workbench.data.batches import STAND_IN
 from workbench.data.prepared import (PreparedData, SourceData, TokenizedData, best_fit_decreasing,
@@ -73,16 +73,16 @@ def _rows(path: str, split: str, needs: tuple[str, ...]) -> Iterator[tuple[str, 
                 row = json_row(local, number, line)
                 problem = text_problem(line, row)
                 if problem:
-                    raise DataError(f"{path}:{number}: {problem}")
-                yield f"{path}:{number}", row
+                    raise DataError(f"{escaped(path)}:{number}: {problem}")
+                yield f"{escaped(path)}:{number}", row
             return
         if local.exists():
             rows = datasets.load_dataset(builder, data_files=str(local), split="train", streaming=True,
                                          **(csv_as_text(local) if builder == "csv" else {}))
-            where = (lambda i: f"{path}:{i + 2}") if builder == "csv" else (lambda i: f"{path} record {i}")
+            where = (lambda i: f"{escaped(path)}:{i + 2}") if builder == "csv" else (lambda i: f"{escaped(path)} record {i}")
         else:
             rows = datasets.load_dataset(path, split=split, streaming=True)
-            where = lambda i: f"{path}[{split}] row {i}"  # noqa: E731
+            where = lambda i: f"{escaped(path)}[{split}] row {i}"  # noqa: E731
         for i, row in enumerate(rows):
             if builder == "csv":
                 empty = next((c for c in needs if c in row and row[c] in (None, "")), None)
@@ -92,11 +92,11 @@ def _rows(path: str, split: str, needs: tuple[str, ...]) -> Iterator[tuple[str, 
     except DataError:
         raise
     except OSError as err:  # the file removed or unreadable while a run reads it
-        raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
+        raise DataError(f"{escaped(path)}: cannot read ({err.strerror or err})") from None
     except Exception as err:  # noqa: BLE001  pyarrow and datasets raise many types for a malformed source
         if builder == "csv":
             check_utf8(local)  # names the line of bytes that are not UTF-8
-        raise DataError(f"{path}: cannot read as a stream: {first_line(err)}") from None
+        raise DataError(f"{escaped(path)}: cannot read as a stream: {first_line(err)}") from None
 
 
 def check_source(path: str) -> None:
@@ -104,13 +104,13 @@ def check_source(path: str) -> None:
     local = Path(path)
     if local.exists():
         if local.is_dir():
-            raise DataError(f"{path}: is a folder; give a {', '.join(STREAMED_SUFFIXES)} file")
+            raise DataError(f"{escaped(path)}: is a folder; give a {', '.join(STREAMED_SUFFIXES)} file")
         if not local.is_file():  # a FIFO or a device would block the reader, or never end
-            raise DataError(f"{path}: not a regular file; give a {', '.join(STREAMED_SUFFIXES)} file")
+            raise DataError(f"{escaped(path)}: not a regular file; give a {', '.join(STREAMED_SUFFIXES)} file")
         if local.suffix.lower() not in STREAMED_SUFFIXES:
-            raise DataError(f"{path}: a stream reads {', '.join(STREAMED_SUFFIXES)} files (got '{local.suffix}')")
+            raise DataError(f"{escaped(path)}: a stream reads {', '.join(STREAMED_SUFFIXES)} files (got '{local.suffix}')")
     elif path.count("/") != 1 or path.startswith((".", "/")):
-        raise DataError(f"{path}: no such file (and not a hub data set name of the form owner/name)")
+        raise DataError(f"{escaped(path)}: no such file (and not a hub data set name of the form owner/name)")
     else:  # a hub that never answers: named in seconds, not after the libraries' retries
         check_hub_answers(path, "dataset", path, DataError)
 
@@ -127,7 +127,7 @@ def source_fingerprint(path: str, split: str) -> str:
             for chunk in iter(lambda: source.read(1 << 20), b""):
                 digest.update(chunk)
     except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror or err})") from None
+        raise DataError(f"{escaped(path)}: cannot read ({err.strerror or err})") from None
     return digest.hexdigest()
 
 
@@ -188,7 +188,7 @@ class StreamedExamples:
         before = _stamp(self.cfg.train)
         digest = source_fingerprint(self.cfg.train, self.cfg.split)
         if _stamp(self.cfg.train) != before:
-            raise DataError(f"{self.cfg.train}: changed while its content hash was taken; start the run again once "
+            raise DataError(f"{escaped(self.cfg.train)}: changed while its content hash was taken; start the run again once "
                             "nothing writes to it")
         self.hashed = (before, digest)
         return digest
@@ -205,10 +205,10 @@ class StreamedExamples:
         if now == stamp:
             return
         if now is None:
-            raise DataError(f"{self.cfg.train}: removed while the run reads it as a stream; put it back as it was, "
+            raise DataError(f"{escaped(self.cfg.train)}: removed while the run reads it as a stream; put it back as it was, "
                             "or start a new run")
         if source_fingerprint(self.cfg.train, self.cfg.split) != digest:
-            raise DataError(f"{self.cfg.train}: changed while the run reads it as a stream (its content hash "
+            raise DataError(f"{escaped(self.cfg.train)}: changed while the run reads it as a stream (its content hash "
                             "differs from the one the run recorded when it started); put the file back as it was, or "
                             "start a new run on the new data")
         self.hashed = (now, digest)

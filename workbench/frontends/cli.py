@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from workbench.base.errors import Interrupted, RecipeError, WorkbenchError, printable
+from workbench.base.errors import Interrupted, RecipeError, WorkbenchError, escaped, printable
 
 QUICKSTART = Path("recipes/quickstart.yaml")
 
@@ -354,7 +354,7 @@ def _print_summary(run_dir: Path, record: dict) -> None:
         return format(value * scale, spec) if isinstance(value, (int, float)) else "n/a"
 
     # run.json is a file like any other: its text (a hand-edited status, a model's answers) is shown escaped
-    print(printable(f"run: {run_dir}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})"))
+    print(printable(f"run: {escaped(run_dir)}  ({s.status}, {s.steps} steps, world size {s.world_size}, {s.strategy})"))
     print(f"  wall {num(s.wall_s, '.1f')} s | {s.tokens} tokens | {num(s.tokens_per_s, '.0f')} tokens/s | "
           f"peak memory {num(s.peak_memory_mb, '.0f')} MB ({s.peak_memory_kind}) | MFU {num(s.mfu, '.2f', 100)}% | "
           + printable(f"{s.data.get('model_dtype')}, mixed precision {s.data.get('mixed_precision')}"))
@@ -595,17 +595,17 @@ def _stop(args) -> int:
     run = load_run(args.run)
     status = run.summary.get("status")
     if status != "running":
-        raise WorkbenchError(f"{run.path}: the run is not running (status {status}); nothing to stop")
+        raise WorkbenchError(f"{escaped(run.path)}: the run is not running (status {status}); nothing to stop")
     try:
         run.dir.request_stop()
     except OSError as err:
-        raise WorkbenchError(f"{run.dir.stop_request}: cannot write the stop request ({err.strerror or err})") from None
+        raise WorkbenchError(f"{escaped(run.dir.stop_request)}: cannot write the stop request ({err.strerror or err})") from None
     ended = load_run(args.run).summary.get("status")
     if ended != "running":  # it finished (or died) while the request was being written: nobody will read it
         run.dir.stop_request.unlink(missing_ok=True)
-        raise WorkbenchError(f"{run.path}: the run ended (status {ended}) before it could read the stop request; "
+        raise WorkbenchError(f"{escaped(run.path)}: the run ended (status {ended}) before it could read the stop request; "
                              "nothing to stop")
-    print(f"{run.path}: asked to stop at its next step; it saves a checkpoint first and ends as a SIGTERM would "
+    print(f"{escaped(run.path)}: asked to stop at its next step; it saves a checkpoint first and ends as a SIGTERM would "
           "(run the same command with --resume, or --resume auto, to continue)")
     return 0
 

@@ -61,7 +61,12 @@ OWN_OPTIONS = {"--cpus-per-task": "--cpus-per-task", "--nodes": "--nodes", "--nt
                "--no-requeue": "(always requeue)"}
 # options the script cannot run under, and why
 REFUSED_OPTIONS = {"--array": "each task of an array would be a copy of the one run, all writing one run directory",
-                   "--error": "the job's one log (beside the run directory) holds both output and errors"}
+                   "--error": "the job's one log (beside the run directory) holds both output and errors",
+                   "--get-user-env": "the job runs in the environment it was submitted from (the cache, HF_HOME and "
+                                     "offline settings the run was checked with), not a login shell's"}
+# --export is accepted only as ALL (the default) with variables added: NONE, or a list alone, would start the job
+# without the environment it was submitted from
+EXPORT = "--export"
 QUOTING = "\"'\\"  # what sbatch removes from an #SBATCH line as it reads it
 SIGNAL_BEFORE_MAX = 65535  # SLURM keeps --signal's seconds in 16 bits
 SCRIPT_MARK = "#!/bin/bash\n# workbench slurm"  # how a script this command wrote begins
@@ -183,6 +188,13 @@ def _check_option(option: str, arg: str) -> None:
         what = f"{own} is" if option == own else f"{option} abbreviates or overrides {own}, which is"
         raise RecipeError(f"--sbatch-arg: {what} set by the script itself; use `workbench slurm "
                           f"{OWN_OPTIONS[own]}` instead")
+    if EXPORT.startswith(option) and len(option) >= len("--exp"):  # (shorter prefixes are ambiguous to sbatch)
+        value = arg.split(option, 1)[1].lstrip("= ").split(" ", 1)[0]
+        if value.split(",", 1)[0] != "ALL":
+            raise RecipeError(f"--sbatch-arg: {arg!r} would start the job without the environment it was submitted "
+                              "from (the cache, HF_HOME and offline settings the run was checked with); give "
+                              "--export=ALL,NAME=value to add variables")
+        return
     refused = next((name for name in REFUSED_OPTIONS if name.startswith(option)), None)
     if refused is not None:
         what = refused if option == refused else f"{option} (abbreviating {refused})"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.errors import RecipeError, WorkbenchError, escaped
 from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.hardware.current import local_kind
 from workbench.hardware.precision import DTYPE_OF, device_half
@@ -97,7 +97,7 @@ def refuse_classifier(path: str, source) -> None:
 def check_adapter(source, adapter_dir: Path) -> None:
     """One line, not a traceback, for a run with no adapter or a damaged one."""
     if not adapter_dir.is_dir():
-        raise WorkbenchError(f"{source}: the run has no adapter/ (did it finish?)")
+        raise WorkbenchError(f"{escaped(source)}: the run has no adapter/ (did it finish?)")
     missing = [name for name in ("adapter_config.json", "adapter_model.safetensors")
                if not (adapter_dir / name).is_file()]
     if missing:

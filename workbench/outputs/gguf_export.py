@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from workbench.base.builtin import is_builtin, resolve_builtin
-from workbench.base.errors import ModelError, RecipeError, WorkbenchError, WriteError
+from workbench.base.errors import ModelError, RecipeError, WorkbenchError, WriteError, escaped
 from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.model.inference import check_adapter
 from workbench.model.loading import load_config
@@ -78,7 +78,7 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
         out = Path(out) if out else run.path / "gguf" / f"{run.name}-{quant}.gguf"
         check_out(out, run.path)
         if run.checked_recipe().training.scores_sequences:
-            raise WorkbenchError(f"{run.path}: a reward model (training.objective: reward) has a score head, not the "
+            raise WorkbenchError(f"{escaped(run.path)}: a reward model (training.objective: reward) has a score head, not the "
                                  "LM head a GGUF runtime generates with; `workbench merge` writes it as a "
                                  "transformers sequence classifier")
         check_architecture(run.path, _run_model_config(run))
@@ -219,11 +219,11 @@ def architecture_of(config) -> str:
 def check_architecture(source, config) -> None:
     architecture = architecture_of(config)
     if architecture not in ARCHITECTURES:
-        raise WorkbenchError(f"{source}: GGUF export supports {', '.join(ARCHITECTURES)} (Llama-architecture) models "
+        raise WorkbenchError(f"{escaped(source)}: GGUF export supports {', '.join(ARCHITECTURES)} (Llama-architecture) models "
                              f"only; this model is {architecture} (model_type {config.model_type!r})")
     rope_type = _rope(config).get("rope_type")
     if rope_type not in ROPE_TYPES:
-        raise WorkbenchError(f"{source}: GGUF export supports rope types {', '.join(map(str, ROPE_TYPES[1:]))}; "
+        raise WorkbenchError(f"{escaped(source)}: GGUF export supports rope types {', '.join(map(str, ROPE_TYPES[1:]))}; "
                              f"this model uses {rope_type!r}")
 
 
@@ -234,7 +234,7 @@ def local_model(source: str | Path) -> tuple[Path, str]:
         return resolve_builtin(text), text.removeprefix("builtin:")
     folder = Path(text).expanduser()
     if not (folder / "config.json").is_file():
-        raise ModelError(f"{source}: neither a run directory (run.json) nor a model folder (config.json); export "
+        raise ModelError(f"{escaped(source)}: neither a run directory (run.json) nor a model folder (config.json); export "
                          "takes one of those or builtin:NAME")
     return folder, folder.resolve().name
 

@@ -35,6 +35,7 @@ class RunSummary:
     params: int | None = None
     trainable_params: int | None = None
     data: dict = field(default_factory=dict)  # prepare_data's figures (examples, tokens, content hashes, ...)
+    base_model: dict | None = None  # the fingerprint of a local model.path folder (model/base_fingerprint.py)
 
     # -- at the end ---------------------------------------------------------------------------------------------
     eval_final: dict = field(default_factory=dict)  # the objective's other held-out figures, as "<name>_final"
@@ -78,7 +79,8 @@ class RunSummary:
 
     def at_first_step(self) -> dict:
         return {"status": self.status, "world_size": self.world_size, "total_steps": self.total_steps,
-                "params": self.params, "trainable_params": self.trainable_params, **self.data}
+                "params": self.params, "trainable_params": self.trainable_params, **self.data,
+                "base_model": self.base_model}
 
     def at_end(self) -> dict:
         summary = {**self.at_first_step(), **self.eval_final}

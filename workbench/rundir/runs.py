@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.base.errors import WorkbenchError
+from workbench.base.errors import WorkbenchError, escaped
 from workbench.base.metrics import finite_json, read_metrics
 from workbench.hardware.current import gpu_names
 from workbench.rundir.run_summary import HEADLINE, RunSummary
@@ -466,18 +466,18 @@ def load_run(path: str | Path) -> Run:
     run_dir = RunDir(path)
     try:
         if not run_dir.run_json.exists():
-            raise WorkbenchError(f"{run_dir.path}: not a run directory (no run.json)")
+            raise WorkbenchError(f"{escaped(run_dir.path)}: not a run directory (no run.json)")
     except OSError as err:  # a name too long
-        raise WorkbenchError(f"{run_dir.path}: {err.strerror or err}") from None
+        raise WorkbenchError(f"{escaped(run_dir.path)}: {err.strerror or err}") from None
     import yaml
 
     try:
         data = run_dir.read_json()
         recipe = (yaml.safe_load(run_dir.recipe.read_text()) if run_dir.recipe.exists() else {}) or {}
     except (OSError, ValueError, yaml.YAMLError) as err:
-        raise WorkbenchError(f"{run_dir.path}: unreadable run files ({type(err).__name__}: {err})") from None
+        raise WorkbenchError(f"{escaped(run_dir.path)}: unreadable run files ({type(err).__name__}: {err})") from None
     if not isinstance(data, dict) or not isinstance(recipe, dict):
-        raise WorkbenchError(f"{run_dir.path}: unreadable run files (run.json or recipe.yaml is not a mapping)")
+        raise WorkbenchError(f"{escaped(run_dir.path)}: unreadable run files (run.json or recipe.yaml is not a mapping)")
     summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
     if summary.get("status") == "running" and (owner_gone(summary) or not in_use(run_dir.path)):
         summary = {**summary, "status": "died"}  # its process is gone without a word (kill -9, power loss)

@@ -292,6 +292,10 @@ def read_portable(path: Path, model) -> dict:
     _check_progress(path, PORTABLE_META, portable["progress"], step)
     if portable["adam_step"] > step:  # one AdamW step for each step that was not skipped
         raise damage(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
+    updates = step - portable["progress"].get("skipped_steps", 0)
+    if portable["adam_step"] != updates:  # AdamW's bias correction would be another step's
+        raise damage(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, where its {step} steps less "
+                     f"{step - updates} skipped made {updates} updates")
     try:
         with safe_open(str(path / PORTABLE_TENSORS), framework="pt") as tensors:
             shapes = {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.errors import RecipeError, WorkbenchError, escaped
 from workbench.data.streaming import content_hashes
 from workbench.hardware.precision import AUTO
+from workbench.model import base_fingerprint
 from workbench.model.attention import model_drops_out, shares_prompts
 from workbench.rundir.runs import RunDir
 from workbench.spec.recipe import Recipe
@@ -129,6 +130,14 @@ class ResumePlan:
         if before and now and before != now:
             raise WorkbenchError("--resume: the chat template (data.chat_template, or the tokenizer's own) changed "
                                  "since the run started; resume with the template it started with, or start a new run")
+
+    def check_base_model(self, path: str) -> None:
+        """A resumed run trains against the base weights it started on: a model.path folder whose files hold
+        other bytes since then is refused."""
+        if base_fingerprint.changed(self.recorded.get("base_model"), path):
+            raise WorkbenchError(f"--resume: the base model in model.path ({escaped(path)}) changed since the run "
+                                 "started (its files hold other bytes), and the adapter was trained against the one "
+                                 "it held; resume with the model it started on, or start a new run")
 
     def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
                           model, lr_groups: int) -> None:
@@ -269,6 +278,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
                              f"{problem}")
     portable = checkpoints.read_portable(path, model)
     _check_place(path, meta, samples_per_epoch, portable)
+    _check_same_place(path, meta, portable)
     _check_counters(path, checkpoints.PORTABLE_META, meta, portable["progress"], samples_per_epoch, limits)
     if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
         raise WorkbenchError(
@@ -302,27 +312,72 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
                 "written on")
 
 
+def _check_same_place(path: Path, meta: dict, portable: dict) -> None:
+    """portable.json was written with workbench_checkpoint.json from the same loop state: the place it continues
+    from is the one the checkpoint names, in samples."""
+    if "progress" not in meta:  # (an earlier version's checkpoint: the portable copy alone says)
+        return
+    if portable["progress"] != meta["progress"]:
+        differ = sorted(k for k in set(meta["progress"]) | set(portable["progress"])
+                        if meta["progress"].get(k) != portable["progress"].get(k))
+        raise checkpoints.damage(path, checkpoints.PORTABLE_META, f"progress.{differ[0]}",
+                                 f"{_show(portable['progress'].get(differ[0]))}, where {checkpoints.META} holds "
+                                 f"{_show(meta['progress'].get(differ[0]))} (both are written from the same state)")
+    samples = meta["progress"].get("batches_in_epoch", 0) * meta["micro_batch_size"] * meta["world_size"]
+    if portable["samples_in_epoch"] != samples:
+        raise checkpoints.damage(path, checkpoints.PORTABLE_META, "samples_in_epoch",
+                                 f"{portable['samples_in_epoch']}, where {checkpoints.META} places it {samples} "
+                                 "samples into its epoch")
+
+
 def _check_counters(path: Path, name: str, meta: dict, progress: dict | None, samples_per_epoch: float,
                     limits: Limits | None) -> None:
     """The loop's counters within what the recipe and the step count allow (checkpoints._check_progress ties them
-    to the step alone): an epoch past the recipe's, or past the epochs its steps could finish, would train on
-    another shuffle, and a token count past what the steps could read would be reported as the run's."""
-    if progress is None or limits is None or not meta.get("grad_accum"):  # (written before it was recorded)
+    to the step alone): an epoch past the recipe's, or another than its steps end in, would train on another
+    shuffle, and a token count past what the steps could read would be reported as the run's."""
+    if progress is None or not meta.get("grad_accum"):  # (written before it was recorded)
         return
-    epoch, step = progress.get("epoch", 0), progress["step"]
-    if limits.epochs is not None and epoch >= limits.epochs:
+    epoch = progress.get("epoch", 0)
+    if limits is not None and limits.epochs is not None and epoch >= limits.epochs:
         raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, where the recipe runs {limits.epochs} "
                                   "epoch(s), counted from 0")
-    # a step takes micro-batch x accumulation x processes samples (a resume keeps that product), so every finished
-    # epoch took ceil(rows / that) steps, whatever layout ran it
     samples = meta["micro_batch_size"] * meta["grad_accum"] * meta["world_size"]
-    if not math.isinf(samples_per_epoch) and epoch * math.ceil(samples_per_epoch / samples) > step:
-        raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, more epochs than its {step} steps finish "
-                                  f"({math.ceil(samples_per_epoch / samples)} steps an epoch)")
-    per_step = samples * limits.row_len  # each sample at most data.row_len tokens
+    per_step = samples * limits.row_len if limits is not None else math.inf  # each sample at most data.row_len tokens
     if progress.get("tokens", 0) > progress["step"] * per_step:
         raise checkpoints.damage(path, name, "progress.tokens", f"{progress['tokens']}, more than its "
                                   f"{progress['step']} steps can read ({per_step} tokens a step at most)")
+    _check_place_in_epoch(path, name, meta, progress, samples_per_epoch)
+
+
+def _check_place_in_epoch(path: Path, name: str, meta: dict, progress: dict, samples_per_epoch: float) -> None:
+    """The epoch and the micro-batches read of it follow from the step alone: every epoch takes ceil(rows /
+    samples a step) steps, each of `grad_accum` micro-batches of the processes that wrote the checkpoint (a resume
+    keeps the samples of a step, so this holds across layouts), and an epoch's last step reads what is left of it.
+    Counters that are plausible but not these would continue on another shuffle, or at another place in it.
+    A stream's epochs have no known length: its counters are held to what its steps can have read."""
+    step, epoch, placed = progress["step"], progress.get("epoch", 0), progress.get("batches_in_epoch", 0)
+    accum, per_round = meta["grad_accum"], meta["micro_batch_size"] * meta["world_size"]
+    steps_an_epoch = math.ceil(samples_per_epoch / (per_round * accum)) if not math.isinf(samples_per_epoch) else 0
+    if step == 0:
+        expected_epoch, expected_place = 0, range(0, 1)
+    elif math.isinf(samples_per_epoch):
+        expected_epoch = epoch if epoch < step else None
+        start = (step - 1) * accum + 1 if epoch == 0 else 1  # the first epoch of a stream has ended or not
+        expected_place = range(start, (step - epoch) * accum + 1)
+    else:
+        expected_epoch = (step - 1) // steps_an_epoch
+        rounds = math.ceil(samples_per_epoch / per_round)
+        into = min((step - expected_epoch * steps_an_epoch) * accum, rounds)
+        expected_place = range(into, into + 1)
+    if expected_epoch != epoch:
+        ends_in = (f"end in epoch {expected_epoch} ({steps_an_epoch} steps an epoch, counted from 0)"
+                   if expected_epoch is not None else "finish fewer epochs")
+        raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, where its {step} steps {ends_in}")
+    if placed not in expected_place:
+        want = (str(expected_place.start) if len(expected_place) == 1 else
+                f"{expected_place.start} to {expected_place.stop - 1}")
+        raise checkpoints.damage(path, name, "progress.batches_in_epoch", f"{placed}, where its {step} steps of "
+                                  f"{accum} micro-batch(es) read {want} of epoch {epoch}")
 
 
 def portable_problem(meta: dict, layout: Layout) -> str | None:
@@ -403,14 +458,14 @@ def claim(run: RunDir, resume: bool, overwrite: bool) -> None:
     one that stopped before its first checkpoint. Deletes nothing but checkpoint writes a crash cut short."""
     check_flags(resume, overwrite)
     if resume and not run.holds_files():
-        raise WorkbenchError(f"{run.path}: nothing to resume (no such run directory)")
+        raise WorkbenchError(f"{escaped(run.path)}: nothing to resume (no such run directory)")
     run.claim(resume=resume, overwrite=overwrite)
     if not resume:
         return
     if run.completed():
-        raise WorkbenchError(f"{run.path}: the run has completed; nothing to resume (--overwrite to train it again)")
+        raise WorkbenchError(f"{escaped(run.path)}: the run has completed; nothing to resume (--overwrite to train it again)")
     if run.latest_checkpoint() is None:
-        raise WorkbenchError(f"{run.path}: no complete checkpoint to resume from (the run stopped before its first "
+        raise WorkbenchError(f"{escaped(run.path)}: no complete checkpoint to resume from (the run stopped before its first "
                              "save); --overwrite starts it again")
     run.drop_cut_short_checkpoints()
 
@@ -457,6 +512,9 @@ def check_done(recipe: Recipe, run: RunDir) -> None:
         differs = [f"{names[key]}: the file's content changed since the run (content hash {recorded[key][:12]} -> "
                    f"{hashes[key][:12]})" for key in names
                    if recorded.get(key) and hashes.get(key) and recorded[key] != hashes[key]]
+        if base_fingerprint.changed(recorded.get("base_model"), recipe.model.path):
+            differs.append(f"model.path: the base model's files in {escaped(recipe.model.path)} hold other bytes "
+                           "than the run was trained against")
     if differs:
         raise RecipeError(f"--resume: the {what} differs from the run's own ({run.recipe}), which has completed: "
                           f"{_listed(differs)}. A completed run is done only for the recipe and data that trained it: "
@@ -472,6 +530,6 @@ def agree_on_resume(accelerator, resume: bool, run_path) -> None:
 
     votes = accelerator.gather(torch.tensor([int(resume)], device=accelerator.device))
     if int(votes.min()) != int(votes.max()):
-        raise WorkbenchError(f"--resume auto: ranks disagree whether {run_path} holds a checkpoint (ranks "
+        raise WorkbenchError(f"--resume auto: ranks disagree whether {escaped(run_path)} holds a checkpoint (ranks "
                              f"{[i for i, v in enumerate(votes.tolist()) if v]} see one): output.dir must be on "
                              "storage that every machine shares")

@@ -34,6 +34,7 @@ from workbench.estimator.memory import prediction_for_run
 from workbench.hardware.catalogue import peak_flops
 from workbench.hardware.current import local_kind, node_count, peak_memory_mb, world_size_from_env
 from workbench.hardware.precision import compute_dtype_of
+from workbench.model import base_fingerprint
 from workbench.model.fastpath import apply_fast_paths, compile_layers, lora_fast_paths
 from workbench.model.lm_loss import full_logits_loss_sum, lm_loss_sum
 from workbench.model.loading import attach_adapter, count_parameters, load_base_model
@@ -251,6 +252,7 @@ class TrainingSession:
             clear_stop_request(run)  # a request the run it was meant for has answered
             if self.resume:
                 self.resolved.resume.check_data(self.data.stats)
+                self.resolved.resume.check_base_model(self.recipe.model.path)
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
             # saved as asked (`auto` stays auto: a resume on another world size chooses again)
@@ -260,6 +262,7 @@ class TrainingSession:
             if self.resolved.resume.changes:
                 self.summary.resume_changes = self.resolved.resume.history()
             self.summary.owner = process_owner()
+            self.summary.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
         self.taken = True
