@@ -20,3 +20,8 @@ def parse_bytes(value: int | float | str) -> int:
     if not match or unit not in _UNITS or float(match.group(1)) <= 0:
         raise WorkbenchError(f"device memory: cannot read {value!r} (use bytes or e.g. 24GiB, 80GB)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    """A size as a message shows it: GiB from a tenth of one up, MiB below."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"

@@ -163,6 +163,15 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms, limits_at)
 
 
+def layout_estimate(recipe: Recipe, layout: Layout, world_size: int, device_type: str,
+                    device_memory: int | None = None) -> dict:
+    """The estimate's row for one layout on this kind of device: per_device_bytes, cpu_bytes, breakdown."""
+    est = estimate(recipe, world_size=world_size, device="cpu" if device_type == "cpu" else None,
+                   device_memory=device_memory)
+    dev = get_device("cpu" if device_type == "cpu" else None, device_memory)
+    return _strategy(layout, est.terms, dev, world_size, node_count())
+
+
 def prediction_for_run(recipe: Recipe, layout: Layout, world_size: int, device_type: str) -> dict:
     """The estimate for a run's own layout, for its run.json summary beside what it measures.
 

@@ -53,6 +53,8 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides or []) + extra
+    if getattr(args, "device_memory", None) is not None:  # the flag is the recipe setting, for this run
+        args.overrides = list(args.overrides or []) + [f"distributed.device_memory={args.device_memory}"]
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
@@ -134,6 +136,10 @@ def _run_flags(cmd) -> None:
                           "job runs the same command every time)")
     cmd.add_argument("--resume-auto", action="store_true", help=argparse.SUPPRESS)
     cmd.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    cmd.add_argument("--device-memory", default=None, metavar="SIZE",
+                     help="memory per device the run must fit (e.g. 24GiB; distributed.device_memory): "
+                          "training.fit_check measures one step on the longest micro-batch against it before the "
+                          "run starts, on a CPU too (its peak RSS)")
     cmd.add_argument("--stop-signal", default=None, metavar="SIGNAL",
                      help="one more signal that checkpoints and stops the run at the next step (SIGINT, SIGTERM "
                           "and SIGUSR1 always do), e.g. USR2")

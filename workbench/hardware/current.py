@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import threading
 from pathlib import Path
 
 # launchers' names for the number of processes in the launch (torchrun, MPI, MVAPICH)
@@ -79,6 +80,72 @@ def peak_memory_mb(device) -> tuple[float, str]:
 
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
     return peak_rss_bytes() / 2**20, "cpu_peak_rss"
+
+
+class StretchPeak:
+    """The memory a stretch of code peaked at (`bytes`) and held as it began (`start`), as a budget holds a device
+    to it, without resetting any of the
+    process's own statistics (a run reports them). On a GPU: the allocator's reserved memory after it (it keeps
+    what it reserved until asked to give it back). On a CPU: the process's peak RSS where the stretch set a new
+    one, else the highest RSS sampled every millisecond while it ran (an earlier, higher peak of the process, a
+    notebook's for one, is not the stretch's)."""
+
+    SAMPLE_S = 0.001
+
+    def __init__(self, device):
+        self.device, self.bytes, self.start = device, 0, 0
+
+    def __enter__(self) -> "StretchPeak":
+        if self.device.type == "cuda":
+            import torch
+
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            self.before, self.highest = peak_rss_bytes(), rss_bytes()
+            self.start = self.highest
+            self.done = threading.Event()
+            self.sampler = threading.Thread(target=self._sample, daemon=True)
+            self.sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(self.SAMPLE_S):
+            self.highest = max(self.highest, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            self.bytes = torch.cuda.memory_reserved(self.device)
+            return
+        self.done.set()
+        self.sampler.join()
+        after = peak_rss_bytes()
+        self.bytes = after if after > self.before else max(self.highest, rss_bytes())
+
+
+def device_total_bytes(device) -> int:
+    """The device's memory: a GPU's own, or this machine's RAM."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an accelerator's allocation failure."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError)
+
+
+def release_cached_memory(device) -> None:
+    """Give the allocator's cached blocks back (after a step that ran out of memory)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def world_size_from_env() -> int:

@@ -277,6 +277,12 @@ class TrainingSection(Section):
                             "that step's update and go on.")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory.")
     activation_offloading: bool = Field(False, description="keep saved activations in CPU memory (GPU only).")
+    fit_check: Literal["auto", True, False] = Field(
+        "auto", description="before the run directory is written, one forward, backward and optimizer step on the "
+                            "longest micro-batch of the data, measured against the device's memory "
+                            "(distributed.device_memory where set); a step that does not fit stops the run there, "
+                            "naming the term that overflowed and the settings that keep the global batch and fit. "
+                            "auto: on an accelerator, and on a CPU where distributed.device_memory sets a budget.")
     compile: bool = Field(False, description="torch.compile each decoder layer (Accelerate's regional compilation): "
                                              "faster steps on a GPU after a minute of compiling; rarely pays on a CPU.")
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(

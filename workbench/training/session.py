@@ -44,7 +44,7 @@ from workbench.rundir.runs import RunDir, TrainResult, environment, process_owne
 from workbench.spec import adapter_init
 from workbench.spec.compat import check_runtime
 from workbench.spec.recipe import Recipe
-from workbench.training import checkpoints, objectives
+from workbench.training import checkpoints, fit_check, objectives
 from workbench.training.parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat,
                                       _nonfinite_message, _on_device, _only_trainable_weights, _progress,
                                       _reports_after, _rounded, _sample_generations, _window_totals, _windows,
@@ -113,6 +113,8 @@ class TrainingSession:
             with StopRequest() as self.stop:
                 self.setup_data()
                 self.setup_model()
+                self.prepare_model()
+                self.check_fit()  # one step on the longest micro-batch, where the device's memory is checked
                 self.take_over()  # everything checked: from here on the run directory is this run's
                 self.prepare()
                 self.before_training()
@@ -166,7 +168,7 @@ class TrainingSession:
         if self.data.stats.get("train_empty") and self.main:
             accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s){among} lost their whole "
                               f"answer to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
-        collate = Collator(self.tokenizer.pad_token_id)
+        self.collate = collate = Collator(self.tokenizer.pad_token_id)
         # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
         # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
         # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
@@ -267,9 +269,9 @@ class TrainingSession:
         self.accelerator.wait_for_everyone()
         self.taken = True
 
-    def prepare(self) -> None:
-        """Model and optimizer placed for the layout, the schedule, the objective; a resumed run's checkpoint loaded."""
-        recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
+    def prepare_model(self) -> None:
+        """Model and optimizer placed for the layout, the schedule, the objective (nothing written yet)."""
+        recipe, cfg, accelerator = self.recipe, self.cfg, self.accelerator
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         # (a streamed run has no length: it runs training.max_steps)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(self.train_loader)
@@ -281,6 +283,16 @@ class TrainingSession:
         self.objective = objectives.build(recipe, self.loss_sum_of,
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)),
                                           self.tokenizer.pad_token_id)
+
+    def check_fit(self) -> None:
+        """training.fit_check: RecipeError before the run directory is written where a step would not fit."""
+        measured = fit_check.check(self)
+        if measured:
+            self.summary.fit_check = measured
+
+    def prepare(self) -> None:
+        """The metrics file, a resumed run's checkpoint loaded, the trackers started."""
+        recipe, cfg, accelerator, state = self.recipe, self.cfg, self.accelerator, self.state
         self.metrics = MetricsWriter(self.run_dir.metrics, enabled=self.main)
         checkpoint = self.resolved.resume.checkpoint
         if checkpoint is not None:

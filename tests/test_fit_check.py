@@ -1,0 +1,109 @@
+"""training.fit_check: one step on the longest micro-batch, before the run directory is written, against a memory
+budget (on a CPU: the process's peak RSS against distributed.device_memory / --device-memory)."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench import Recipe, train
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32 = ["model.dtype=float32", "training.mixed_precision=no"]  # the same bytes on either kind of CPU
+
+
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory) -> Path:
+    """Rows long enough that a micro-batch of 16 packed 1,024-token rows costs hundreds of MB of activations."""
+    rng = random.Random(0)
+    words = "the a of to and in is it you that he was for on are with as his they be at one have this from".split()
+    path = tmp_path_factory.mktemp("long") / "long.jsonl"
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "say"},
+        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(700))}]}) + "\n"
+        for _ in range(64)))
+    return path
+
+
+def cli_train(run_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A fresh process: its peak RSS is the run's own."""
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", "train", "recipes/tiny.yaml", f"output.dir={run_dir}", f"data.train={data}",
+         "data.eval=null", "data.max_seq_len=1024", "training.max_steps=1", "training.threads=1", *FP32,
+         "--no-progress", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_step_that_does_not_fit_stops_before_the_run_directory_naming_what_keeps_the_batch(tmp_path, long_rows):
+    """The check measures the longest micro-batch's step; over the budget it names the step's share, the
+    estimate's largest terms and settings that keep micro-batch x accumulation and fit; the smallest of them
+    then passes the same check for real."""
+    big = ["training.micro_batch_size=16", "training.grad_accum=1"]
+    measured = cli_train(tmp_path / "a", long_rows, *big, "--device-memory", "64GiB")
+    assert measured.returncode == 0, measured.stderr
+    check = json.loads((tmp_path / "a" / "run.json").read_text())["summary"]["fit_check"]
+    peak, start = check["fit_check_peak_bytes"], check["fit_check_start_bytes"]
+    assert check["fit_check"] == "fits" and peak > start + 100 * 2**20  # the step's activations are seen
+    budget = start + int(0.6 * (peak - start))  # the process fits, its step does not
+
+    refused = cli_train(tmp_path / "b", long_rows, *big, "--device-memory", str(budget))
+    err = refused.stderr.strip()
+    assert refused.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: training.fit_check: one step on the longest micro-batch of the data (16 x 1024 "
+                          "tokens) peaked at "), err
+    assert "the estimate's largest terms on single: " in err and "activations" in err
+    assert not (tmp_path / "b").exists()  # nothing written
+    splits = [s for s in err.split("; ") if s.startswith("training.micro_batch_size=")]
+    assert splits, err
+    smallest = min(splits, key=lambda s: int(s.split()[0].split("=")[1]))
+    micro, accum = (int(part.split("=")[1]) for part in smallest.split()[:2])
+    assert micro * accum == 16
+
+    taken = cli_train(tmp_path / "c", long_rows, f"training.micro_batch_size={micro}",
+                      f"training.grad_accum={accum}", "--device-memory", str(budget))
+    assert taken.returncode == 0, taken.stderr
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["summary"]["fit_check"]["fit_check"] == "fits"
+
+
+def test_a_budget_below_the_process_itself_is_one_line_and_writes_nothing(tmp_path, long_rows):
+    refused = cli_train(tmp_path / "runs", long_rows, "--device-memory", "100MiB")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "over the 100 MiB of distributed.device_memory" in refused.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_checked_run_trains_exactly_as_an_unchecked_one(tmp_path):
+    """The check's step updates nothing: lr 0, its gradients and optimizer states dropped, dropout's random state
+    put back. Losses and adapter weights equal bit for bit (dropout on, so the random state matters)."""
+    from safetensors.torch import load_file
+
+    def run(name: str, *overrides: str):
+        recipe = Recipe.load(ROOT / "recipes/tiny.yaml", [
+            f"output.dir={tmp_path}/{name}", "training.max_steps=3", "adapter.dropout=0.1", "data.eval=null",
+            "output.eval_every=null", "output.log_every=1", *FP32, *overrides])
+        result = train(recipe, progress_bar=False)
+        losses = [r["loss"] for r in map(json.loads, (result.run_dir / "metrics.jsonl").read_text().splitlines())
+                  if "loss" in r]
+        return result, losses, load_file(str(result.run_dir / "adapter" / "adapter_model.safetensors"))
+
+    checked, checked_losses, checked_weights = run("checked", "training.fit_check=true",
+                                                   "distributed.device_memory=64GiB")
+    plain, plain_losses, plain_weights = run("plain", "training.fit_check=false")
+    assert checked.summary["fit_check"]["fit_check"] == "fits" and plain.summary.get("fit_check") is None
+    assert checked_losses == plain_losses
+    assert all((checked_weights[k] == plain_weights[k]).all() for k in plain_weights)
+
+
+def test_auto_checks_a_cpu_only_under_a_budget():
+    import torch
+
+    from workbench.training.fit_check import budget_for
+
+    cpu = torch.device("cpu")
+    tiny = Recipe.load(ROOT / "recipes/tiny.yaml")
+    assert budget_for(tiny, cpu) is None
+    assert budget_for(tiny.override("distributed.device_memory=2GiB"), cpu).bytes == 2 * 2**30
+    assert budget_for(tiny.override("training.fit_check=false", "distributed.device_memory=2GiB"), cpu) is None
+    assert budget_for(tiny.override("training.fit_check=true"), cpu).source == "this machine's RAM"
