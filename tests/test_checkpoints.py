@@ -277,6 +277,17 @@ TAMPERED = {
     "portable-adam-step": ("portable.json", lambda m: m.update(adam_step=7), r"adam_step: 7, more than its 2 steps",
                            (2, 2)),
     # plausible counters that are not the ones its steps give: they would continue at another place in the data
+    # or of the schedule
+    "schedule-a-step-back": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(last_epoch=1),
+                             r"scheduler\.last_epoch: 1, in the checkpoint of step 2", (1, 4)),
+    "schedule-count": ("workbench_checkpoint.json", lambda m: m["scheduler"].update(_step_count=9),
+                       r"scheduler\._step_count: 9, in the checkpoint of step 2", (1, 4)),
+    "portable-schedule-a-step-back": ("portable.json", lambda m: m["scheduler"].update(last_epoch=1),
+                                      r"portable\.json: scheduler\.last_epoch: 1", (2, 2)),
+    "no-accumulation": ("workbench_checkpoint.json", lambda m: m.pop("grad_accum"), r"json: grad_accum: missing",
+                        (1, 4)),
+    "no-progress": ("workbench_checkpoint.json", lambda m: m.pop("progress"), r"json: progress: missing", (1, 4)),
+    "no-schedule": ("workbench_checkpoint.json", lambda m: m.pop("scheduler"), r"json: scheduler: missing", (1, 4)),
     "place-at-the-epoch-start": ("workbench_checkpoint.json", lambda m: m["progress"].update(batches_in_epoch=0),
                                  r"progress\.batches_in_epoch: 0, where its 2 steps of 4 micro-batch\(es\) read 8 ",
                                  (1, 4)),

@@ -175,6 +175,23 @@ def test_the_base_model_fingerprint_holds_every_byte(tmp_path, monkeypatch):
     (folder / "extra.json").write_text("{}")
     assert base_fingerprint.changed(recorded, str(folder))
     assert base_fingerprint.fingerprint("builtin:tiny") is None and base_fingerprint.fingerprint("owner/name") is None
+    (folder / "extra.json").unlink()
+    recorded = base_fingerprint.fingerprint(str(folder))
+    # what from_pretrained never reads: a subfolder (however many files), a FIFO (never opened: no hang)
+    (folder / "checkpoints").mkdir()
+    for i in range(50):
+        (folder / "checkpoints" / f"{i}.bin").write_bytes(b"x")
+    os.mkfifo(folder / "pipe")
+    assert not base_fingerprint.changed(recorded, str(folder))
+    # a rewrite that keeps the size and sets the time back: its ctime and inode still moved
+    stamp = big.stat()
+    os.utime(big, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    replaced = folder / "replacement"
+    replaced.write_bytes(bytes(reversed(big.read_bytes())))
+    os.utime(replaced, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    os.replace(replaced, big)
+    assert big.stat().st_size == stamp.st_size and big.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert base_fingerprint.changed(recorded, str(folder))
 
 
 def interrupted_run(tiny_recipe):
@@ -239,11 +256,14 @@ def test_resume_allows_safe_changes_and_records_them(tiny_recipe):
     assert record == {"from_step": 2, "changes": {"output.log_every": [1, 2]}}
 
 
-def test_resume_refuses_data_that_changed_since_the_start(tiny_recipe, tmp_path):
+@pytest.mark.parametrize("rows", [24, 84])  # other rows; more rows (the checkpoint's place then lies elsewhere)
+def test_resume_refuses_data_that_changed_since_the_start(tiny_recipe, tmp_path, rows):
+    """Named as the data that changed, before any checkpoint is judged by it (a place in an epoch of other data
+    must not read as a damaged checkpoint, whose advice is to delete it)."""
     data = chat_rows(tmp_path / "d.jsonl", 24)
     recipe, run = interrupted_run(tiny_recipe.override(f"data.train={data}"))
-    chat_rows(data, 24, offset=5)  # same path, other rows
-    with pytest.raises(WorkbenchError, match="data.train changed since the run started"):
+    chat_rows(data, rows, offset=5)  # same path, other rows
+    with pytest.raises(WorkbenchError, match="^--resume: data.train changed since the run started"):
         train(recipe, resume=True, progress_bar=False)
     assert run.read_json()["summary"]["status"] == "running"
 

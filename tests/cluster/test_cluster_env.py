@@ -346,7 +346,8 @@ def test_an_sbatch_arg_for_an_array_or_a_second_log_is_refused(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("arg", ["--export=NONE", "--export NONE", "--expo=HF_HOME", "--qos=high --export=FOO=1",
-                                 "--get-user-env", "--get-user=10L"])
+                                 "--get-user-env", "--get-user=10L", "--export=ALL,X=1 --export=NONE",
+                                 "--comment=--export=ALL --export=NONE", "--export-file=/tmp/env"])
 def test_an_sbatch_arg_that_drops_the_submitting_environment_is_refused(tmp_path, capsys, arg):
     # the run was checked in the environment it is submitted from (its cache, HF_HOME, offline settings)
     script = tmp_path / "job.sbatch"

@@ -182,13 +182,17 @@ def deepspeed_config(recipe: Recipe) -> dict:
     if ds.config_file:
         config = read_deepspeed_file(ds.config_file)
     else:
-        zero: dict = {"stage": ds.stage, "overlap_comm": False, "contiguous_gradients": True}
+        # bucket sizes from the model's width (accelerate fills `auto` as the Trainer does): DeepSpeed's own
+        # defaults hold 5e8 elements of gradients in one buffer, a gigabyte in 16 bits whatever the model
+        zero: dict = {"stage": ds.stage, "overlap_comm": False, "contiguous_gradients": True,
+                      "reduce_bucket_size": "auto"}
         if ds.offload_optimizer == "cpu":
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": local_kind() == "cuda"}
         if ds.offload_params == "cpu":
             zero["offload_param"] = {"device": "cpu", "pin_memory": local_kind() == "cuda"}
         if ds.stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = ds.save_16bit_model
+            zero["stage3_prefetch_bucket_size"] = zero["stage3_param_persistence_threshold"] = "auto"
         config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
                   "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
         config["bf16"] = {"enabled": training.mixed_precision == "bf16"}

@@ -278,7 +278,8 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         "saved_activations": acts["saved"], "logits_and_loss": acts["loss"],
         "activations_full_logits": acts["saved"] + acts["loss_full_logits"],
         "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
-        "gathered_weights": _gathered_bytes(recipe, info),
+        **_gathered_bytes(recipe, info),
+        "dequantized_copy": _dequantized_bytes(recipe, info, dev),
         "master_weights": 4 * trainable if train_bytes < 4 else 0,
         # with one micro-batch per step, backward frees activations as it creates gradients (and
         # zero_grad(set_to_none) frees those): the two peak one after the other, not together
@@ -334,18 +335,35 @@ def _step_bytes(terms: dict, gradients: int) -> int:
     return terms["activations"] + gradients
 
 
-def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> int:
-    """ZeRO-3/FSDP gather one unit at a time (a decoder layer, or the embedding or head) and prefetch
-    the next layer: the largest unit plus one layer, as stored (4-bit layers stay 4-bit)."""
+def _gathered_bytes(recipe: Recipe, info: ModelInfo) -> dict:
+    """What sharded layouts hold unsharded beside their shards, as stored (4-bit layers stay 4-bit).
+
+    ZeRO-3 gathers one unit at a time (a decoder layer, or the embedding or head) and prefetches the next layer:
+    the largest unit plus one layer. FSDP2 shards each decoder layer and, last, the root (embeddings, head, final
+    norm), and prefetches the next layer as ZeRO-3 does; but its root is not resharded after forward (backward
+    needs it at once), so the embeddings and head stay whole from the start of forward to the end of backward:
+    the root plus two layers."""
     if recipe.adapter.method == "qlora":
         linear = sum(lin.in_features * lin.out_features for lin in info.linears if lin.in_layer)
         frozen = DTYPE_BYTES[frozen_dtype_of(recipe)]
         layer = _quantized_bytes(linear, recipe) + frozen * (info.layer_params - linear)
         embedding = frozen * info.vocab * info.hidden
+        root = DTYPE_BYTES[vocabulary_dtype(recipe, info)] * vocabulary_params(info)
     else:
         layer = info.layer_params * DTYPE_BYTES[recipe.model.dtype]
         embedding = info.vocab * info.hidden * DTYPE_BYTES[recipe.model.dtype]
-    return int(max(layer, embedding) + layer)
+        root = vocabulary_params(info) * DTYPE_BYTES[recipe.model.dtype]
+    return {"gathered_weights": int(max(layer, embedding) + layer), "gathered_root_and_layers": int(root + 2 * layer)}
+
+
+def _dequantized_bytes(recipe: Recipe, info: ModelInfo, dev: Device) -> int:
+    """bitsandbytes multiplies by a 4-bit weight through a copy of it in the compute dtype (forward, and again in
+    backward for the input's gradient): the largest quantized Linear, whole, at the step's peak. On a CPU the
+    workbench's 4-bit path computes a block of it at a time (counted in the calibration)."""
+    if recipe.adapter.method != "qlora" or dev.kind == "cpu":
+        return 0
+    largest = max((lin.in_features * lin.out_features for lin in info.linears if lin.in_layer), default=0)
+    return largest * DTYPE_BYTES[compute_dtype_of(recipe)]
 
 
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
@@ -504,14 +522,14 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     part["gradients"] *= layout.gradient_copies
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
-    other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"]
+    other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"] + t["dequantized_copy"]
     # DeepSpeed's import is charged to its own layouts. (Accelerate's FSDP2 preparation imports it too, through a
     # check for its engine: FSDP runs hold it as well, which this does not count yet.)
     uses_deepspeed = layout.strategy == "deepspeed"
     if dev.kind == "cpu":  # elsewhere it is host memory, below
         other += t["initial_adapter"] + cpu_runtime_bytes(uses_deepspeed) - cpu_runtime_bytes()
     if layout.shards_weights:
-        other += t["gathered_weights"]
+        other += t["gathered_root_and_layers"] if layout.strategy == "fsdp" else t["gathered_weights"]
     offloaded = 0
     if dev.kind == "cuda":  # on a CPU the "device" is host RAM already: offloading moves nothing
         for key in layout.offloads:

@@ -62,6 +62,8 @@ OWN_OPTIONS = {"--cpus-per-task": "--cpus-per-task", "--nodes": "--nodes", "--nt
 # options the script cannot run under, and why
 REFUSED_OPTIONS = {"--array": "each task of an array would be a copy of the one run, all writing one run directory",
                    "--error": "the job's one log (beside the run directory) holds both output and errors",
+                   "--export-file": "the job runs in the environment it was submitted from; give variables as "
+                                    "--export=ALL,NAME=value",
                    "--get-user-env": "the job runs in the environment it was submitted from (the cache, HF_HOME and "
                                      "offline settings the run was checked with), not a login shell's"}
 # --export is accepted only as ALL (the default) with variables added: NONE, or a list alone, would start the job
@@ -174,12 +176,14 @@ def _check_extra(arg: str) -> None:
         raise RecipeError(f"--sbatch-arg: {arg!r} holds a quote or a backslash, which sbatch removes as it reads "
                           "the #SBATCH line (hiding the option it sets); give the option without them")
     # sbatch reads every option on an #SBATCH line: `--qos=high --signal=X` sets both
-    for word in arg.split():
+    words = arg.split()
+    for i, word in enumerate(words):
         if word.startswith("-"):
-            _check_option(word.split("=", 1)[0], arg)
+            option, _, value = word.partition("=")
+            _check_option(option, arg, value or (words[i + 1] if i + 1 < len(words) else ""))
 
 
-def _check_option(option: str, arg: str) -> None:
+def _check_option(option: str, arg: str, value: str) -> None:
     if not option.startswith("--"):
         raise RecipeError(f"--sbatch-arg: {arg!r} holds the short option {option}; give sbatch options in their "
                           "long form (--qos=high)")
@@ -189,8 +193,7 @@ def _check_option(option: str, arg: str) -> None:
         raise RecipeError(f"--sbatch-arg: {what} set by the script itself; use `workbench slurm "
                           f"{OWN_OPTIONS[own]}` instead")
     if EXPORT.startswith(option) and len(option) >= len("--exp"):  # (shorter prefixes are ambiguous to sbatch)
-        value = arg.split(option, 1)[1].lstrip("= ").split(" ", 1)[0]
-        if value.split(",", 1)[0] != "ALL":
+        if value.split(",", 1)[0].upper() != "ALL":
             raise RecipeError(f"--sbatch-arg: {arg!r} would start the job without the environment it was submitted "
                               "from (the cache, HF_HOME and offline settings the run was checked with); give "
                               "--export=ALL,NAME=value to add variables")

@@ -2,13 +2,14 @@
 
 An adapter means something only on the weights it was trained against: a folder whose weights were rewritten in
 place (a merge saved over it, another checkpoint copied in) would let a resumed run continue on another base, and a
-completed run pass as done for it. A run records two fingerprints of the folder: its files' names, sizes and
-modification times, and a digest of every byte. The bytes are read only when the first moved: at a run's start
-the digest is taken from a cache kept by the first (so the many runs on one base hash it once), and a check reads
-them only where the names, sizes or times differ (a copy of the same files passes; a rewrite does not). As git
-does with its index, times of files written in the last seconds are not trusted (a second write in the same tick
-of the clock would keep them). Files are
-hashed on several threads (hashlib lets go of the interpreter lock).
+completed run pass as done for it. A run records two fingerprints of the files from_pretrained reads (the folder's
+own regular files): their names, sizes, times and inodes, and a digest of every byte. The bytes are read only when
+the first moved: at a run's start the digest is taken from a cache kept by the first (so the many runs on one base
+hash it once), and a check reads them only where the stat differs (a copy of the same files passes; a rewrite does
+not). As git does with its index, times of files written in the last seconds are not trusted (a second write in
+the same tick of the clock would keep them). Files are hashed on several threads (hashlib lets go of the
+interpreter lock). The run takes the fingerprint before it loads the model and checks it after: a folder written
+while the run loaded it is refused.
 
 Hub ids (pinned by model.revision and held by the hub's own cache) and builtin models (versioned by name) are not
 folders a user edits: they have no fingerprint.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,6 @@ from pathlib import Path
 
 from workbench.base.builtin import cache_dir, is_builtin
 
-MOST_FILES = 4096  # a model folder holds tens; past this many, the first (sorted) stand for it
 CHUNK = 8 * 1024 * 1024
 RACY_SECONDS = 3.0
 
@@ -65,24 +66,31 @@ def changed(recorded: dict | None, path: str) -> bool:
 
 
 def _files(folder: Path) -> list[str]:
-    """Regular files under `folder` (through links, as a hub cache's snapshot holds them), hidden ones left out."""
+    """The regular files of `folder` itself (through links, as a hub cache's snapshot holds them): what
+    from_pretrained reads. Subfolders (a checkpoints/ of the model's own training) it never reads; hidden files,
+    FIFOs and devices are left out (a FIFO would block the read)."""
     found = []
-    for root, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(os.path.relpath(os.path.join(root, n), folder) for n in names if not n.startswith("."))
-        if len(found) >= MOST_FILES:
-            break
-    return sorted(found)[:MOST_FILES]
+    for entry in sorted(os.listdir(folder)):
+        if entry.startswith("."):
+            continue
+        try:
+            if stat.S_ISREG(os.stat(folder / entry).st_mode):
+                found.append(entry)
+        except OSError:
+            found.append(entry)  # unreadable now: its digest says so
+    return found
 
 
 def _stat_digest(folder: Path, files: list[str]) -> str:
-    stats = []
+    """Names, sizes, times, inodes: a file rewritten with its old size and time set back still has another ctime
+    (which no call sets), a file put in its place another inode."""
+    stats = [str(folder.resolve())]
     for name in files:
         try:
             st = os.stat(folder / name)
-            stats.append([name, st.st_size, st.st_mtime_ns])
+            stats.append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
         except OSError:
-            stats.append([name, None, None])
+            stats.append([name, None])
     return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
 
 
@@ -113,7 +121,7 @@ def _content_digest(folder: Path, files: list[str], stat_digest: str | None = No
 
 def _file_digest(path: Path) -> tuple[int | None, str]:
     try:
-        with open(path, "rb") as handle:
+        with open(path, "rb", opener=_nonblocking) as handle:
             digest = hashlib.sha256()
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
@@ -133,6 +141,11 @@ def _racy(folder: Path, files: list[str]) -> bool:
         except OSError:
             return True
     return False
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    """Opens a file that turned into a FIFO since it was listed without waiting for a writer."""
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _cache_path(stat_digest: str | None) -> Path | None:

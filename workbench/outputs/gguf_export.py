@@ -78,7 +78,8 @@ def export_gguf(source: str | Path, out: str | Path | None = None, quant: str = 
         out = Path(out) if out else run.path / "gguf" / f"{run.name}-{quant}.gguf"
         check_out(out, run.path)
         if run.checked_recipe().training.scores_sequences:
-            raise WorkbenchError(f"{escaped(run.path)}: a reward model (training.objective: reward) has a score head, not the "
+            raise WorkbenchError(f"{escaped(run.path)}: a reward model (training.objective: reward) has a score "
+                                 f"head, not the "
                                  "LM head a GGUF runtime generates with; `workbench merge` writes it as a "
                                  "transformers sequence classifier")
         check_architecture(run.path, _run_model_config(run))
@@ -112,12 +113,13 @@ def check_out(out: Path, run_path: Path | None) -> None:
     target = out.resolve()
     replaceable = target.is_file() and target.suffix == ".gguf" and is_earlier_export(target)
     if run_path is not None and target.exists() and not replaceable and target.is_relative_to(run_path.resolve()):
-        raise WorkbenchError(f"--out: {out} already exists inside the run {run_path}; name a new .gguf file")
+        raise WorkbenchError(f"--out: {escaped(out)} already exists inside the run {escaped(run_path)}; name a new "
+                             f".gguf file")
     if run_path is not None and any(target.is_relative_to(run_path.resolve() / part) for part in RUN_PARTS):
-        raise WorkbenchError(f"--out: {out} is inside the run's {'/'.join(RUN_PARTS)} folders (saved and pushed as "
-                             "they are); the default is RUN/gguf/")
+        raise WorkbenchError(f"--out: {escaped(out)} is inside the run's {'/'.join(RUN_PARTS)} folders (saved and "
+                             "pushed as they are); the default is RUN/gguf/")
     if out.suffix != ".gguf":
-        raise RecipeError(f"--out: must be a path ending in .gguf, got {out}")
+        raise RecipeError(f"--out: must be a path ending in .gguf, got {escaped(out)}")
     check_replaceable(out)
 
 
@@ -125,8 +127,8 @@ def check_replaceable(out: Path) -> None:
     """Refuse to replace a file at `out` or a Modelfile beside it that an earlier export did not write. Checked
     before any work and again just before the files are put in place."""
     if (out.exists() or out.is_symlink()) and not is_earlier_export(out):
-        raise WorkbenchError(f"--out: {out} exists and was not written by workbench export (only its own exports "
-                             "are replaced); name a new .gguf file")
+        raise WorkbenchError(f"--out: {escaped(out)} exists and was not written by workbench export (only its own "
+                             "exports are replaced); name a new .gguf file")
     modelfile = out.with_name("Modelfile")
     if (modelfile.exists() or modelfile.is_symlink()) and not is_our_modelfile(modelfile):
         raise WorkbenchError(f"--out: {modelfile} exists and was not written by workbench export (or was edited "
@@ -177,7 +179,7 @@ def check_writable(out: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{out.name}.{os.getpid()}.probe", suffix=".tmp"):
             pass
     except OSError as err:
-        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None
+        raise WorkbenchError(f"--out: cannot write {escaped(out)} ({err.strerror or err})") from None
 
 
 @contextmanager
@@ -190,7 +192,7 @@ def writing(out: Path, every_error: bool = False):
         mine = err.filename is not None and Path(err.filename).absolute().is_relative_to(out.parent.absolute())
         if not (mine or every_error):
             raise
-        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None
+        raise WorkbenchError(f"--out: cannot write {escaped(out)} ({err.strerror or err})") from None
 
 
 @contextmanager
@@ -219,11 +221,13 @@ def architecture_of(config) -> str:
 def check_architecture(source, config) -> None:
     architecture = architecture_of(config)
     if architecture not in ARCHITECTURES:
-        raise WorkbenchError(f"{escaped(source)}: GGUF export supports {', '.join(ARCHITECTURES)} (Llama-architecture) models "
+        raise WorkbenchError(f"{escaped(source)}: GGUF export supports {', '.join(ARCHITECTURES)} "
+                             f"(Llama-architecture) models "
                              f"only; this model is {architecture} (model_type {config.model_type!r})")
     rope_type = _rope(config).get("rope_type")
     if rope_type not in ROPE_TYPES:
-        raise WorkbenchError(f"{escaped(source)}: GGUF export supports rope types {', '.join(map(str, ROPE_TYPES[1:]))}; "
+        raise WorkbenchError(f"{escaped(source)}: GGUF export supports rope types "
+                             f"{', '.join(map(str, ROPE_TYPES[1:]))}; "
                              f"this model uses {rope_type!r}")
 
 
@@ -234,8 +238,8 @@ def local_model(source: str | Path) -> tuple[Path, str]:
         return resolve_builtin(text), text.removeprefix("builtin:")
     folder = Path(text).expanduser()
     if not (folder / "config.json").is_file():
-        raise ModelError(f"{escaped(source)}: neither a run directory (run.json) nor a model folder (config.json); export "
-                         "takes one of those or builtin:NAME")
+        raise ModelError(f"{escaped(source)}: neither a run directory (run.json) nor a model folder (config.json); "
+                         "export takes one of those or builtin:NAME")
     return folder, folder.resolve().name
 
 
@@ -263,7 +267,7 @@ def merged_run(run, out: Path):
         try:
             merged = merge(run.path, out=staging / "model", dtype="float32")
         except WriteError as err:  # it names the temporary folder, which is no path of the user's
-            raise WriteError(f"--out: {out}", err.cause) from None
+            raise WriteError(f"--out: {escaped(out)}", err.cause) from None
         yield merged
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -321,7 +325,7 @@ def replacement_notices(out: Path) -> list[str]:
     notices = []
     if out.exists():
         source, quant = export_record(out)
-        notices.append(f"replaced {out}, an earlier export of {source} ({quant})")
+        notices.append(f"replaced {escaped(out)}, an earlier export of {escaped(source)} ({quant})")
     modelfile = out.with_name("Modelfile")
     if modelfile.exists():
         body = modelfile.read_text(encoding="utf-8").partition("\n")[2]

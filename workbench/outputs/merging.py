@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from workbench.base.errors import RecipeError, WorkbenchError, reported_as_write_error
+from workbench.base.errors import RecipeError, WorkbenchError, escaped, reported_as_write_error
 from workbench.base.quiet import leaves_the_process_as_found, quiet_libraries
 from workbench.model.inference import check_adapter, hub_options, load_adapter, stop_token_ids, tokenizer_of
 from workbench.model.loading import DTYPES, model_class, resolve_model_path, reward_config
@@ -70,7 +70,8 @@ def merge(run_dir: str | Path, out: str | Path | None = None, dtype: str = "bflo
     # leaves a half model and no folder of the user's is taken for the staging one.
     staging = _staging_folder(out)
     try:
-        with reported_as_write_error(f"--out: {out}"):  # a full disk or a file size limit: one line, not a traceback
+        # a full disk or a file size limit: one line, not a traceback
+        with reported_as_write_error(f"--out: {escaped(out)}"):
             model.save_pretrained(staging, safe_serialization=True)  # also writes generation_config.json
             tokenizer.save_pretrained(staging)  # tokenizer files and chat_template.jinja
             write_model_card_or_warn(staging, run.path, kind="merged")  # README.md: how it was made, how to load it
@@ -110,19 +111,19 @@ def _check_out(out: Path, run_path: Path) -> None:
     at `out` is replaced only when it is an empty folder or an earlier merge (MERGE_MARK)."""
     target, run_path = out.resolve(), run_path.resolve()
     if target == run_path or target in run_path.parents or target == run_path / "adapter":
-        raise WorkbenchError(f"--out: {out} would overwrite the run itself; choose another folder")
+        raise WorkbenchError(f"--out: {escaped(out)} would overwrite the run itself; choose another folder")
     try:
         empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
         taken = out.exists() or out.is_symlink()
     except OSError as err:
-        raise WorkbenchError(f"--out: {out}: {err.strerror or err}") from None
+        raise WorkbenchError(f"--out: {escaped(out)}: {err.strerror or err}") from None
     if taken and not empty and not is_earlier_merge(out):
-        raise WorkbenchError(f"--out: {out} exists and was not written by workbench merge (only its own merges "
-                             "are replaced); choose a new or empty folder")
+        raise WorkbenchError(f"--out: {escaped(out)} exists and was not written by workbench merge (only its own "
+                             "merges are replaced); choose a new or empty folder")
 
 
 def _staging_folder(out: Path) -> Path:
     try:
         return merge_staging_folder(out.parent)
     except OSError as err:
-        raise WorkbenchError(f"--out: cannot write {out} ({err.strerror or err})") from None
+        raise WorkbenchError(f"--out: cannot write {escaped(out)} ({err.strerror or err})") from None

@@ -100,12 +100,13 @@ class RunDir:
         exists = self.holds_files()
         if exists and not (resume or overwrite):
             raise WorkbenchError(
-                f"{self.path} already holds a run: pass --resume to continue it or --overwrite to replace it")
+                f"{escaped(self.path)} already holds a run: pass --resume to continue it or --overwrite to replace it")
         self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # a dangling symbolic link, a name too long, no permission
-            raise WorkbenchError(f"{self.path}: cannot create the run directory ({err.strerror or err})") from None
+            raise WorkbenchError(f"{escaped(self.path)}: cannot create the run directory "
+                                 f"({err.strerror or err})") from None
         self._lock = RunLock(self.path)
         self._lock.acquire()
         if exists and (overwrite or self.run_json.exists()):
@@ -116,7 +117,7 @@ class RunDir:
         try:
             return self.path.exists() and any(self.path.iterdir())
         except OSError as err:
-            raise WorkbenchError(f"{self.path}: {err.strerror or err}") from None
+            raise WorkbenchError(f"{escaped(self.path)}: {err.strerror or err}") from None
 
     def completed(self) -> bool:
         """Whether run.json records the run as completed."""
@@ -186,7 +187,7 @@ class RunDir:
             if aside is not None:
                 (aside / self.run_json.name).unlink(missing_ok=True)  # the copy, when the original stayed
                 aside.rmdir()  # empty now; never deleted with anything in it
-            raise WorkbenchError(f"{self.path}: cannot replace the earlier run ({err.strerror or err}: "
+            raise WorkbenchError(f"{escaped(self.path)}: cannot replace the earlier run ({err.strerror or err}: "
                                  f"{err.filename}); it is left as it was") from None
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)  # what cannot be deleted stays aside, out of the new run's way
@@ -194,7 +195,7 @@ class RunDir:
         if names:
             import warnings
 
-            warnings.warn(f"{self.path}: --overwrite replaced the earlier run and kept what it did not write: "
+            warnings.warn(f"{escaped(self.path)}: --overwrite replaced the earlier run and kept what it did not write: "
                           f"{', '.join(names)}", stacklevel=2)
         return names
 
@@ -283,8 +284,8 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise WorkbenchError(f"{self.path} is in use by another running process (a run is training into it); "
-                                 "wait for it to finish or stop it first") from None
+            raise WorkbenchError(f"{escaped(self.path)} is in use by another running process (a run is training into "
+                                 "it); wait for it to finish or stop it first") from None
         self._fd = fd
 
     def release(self) -> None:
@@ -406,7 +407,8 @@ class Run:
         """The run's recipe.yaml read through the schema (`Recipe.from_dict`): what every loader of the run's model
         reads (in the raw mapping, the text "no" for trust_remote_code is a true value to bool())."""
         if not self.recipe:
-            raise WorkbenchError(f"{self.path}: the run has no readable recipe.yaml (it names the model to load)")
+            raise WorkbenchError(f"{escaped(self.path)}: the run has no readable recipe.yaml (it names the model to "
+                                 f"load)")
         return Recipe.from_dict(self.recipe, source=str(self.path / "recipe.yaml"))
 
 
@@ -477,7 +479,8 @@ def load_run(path: str | Path) -> Run:
     except (OSError, ValueError, yaml.YAMLError) as err:
         raise WorkbenchError(f"{escaped(run_dir.path)}: unreadable run files ({type(err).__name__}: {err})") from None
     if not isinstance(data, dict) or not isinstance(recipe, dict):
-        raise WorkbenchError(f"{escaped(run_dir.path)}: unreadable run files (run.json or recipe.yaml is not a mapping)")
+        raise WorkbenchError(f"{escaped(run_dir.path)}: unreadable run files (run.json or recipe.yaml is not a "
+                             f"mapping)")
     summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
     if summary.get("status") == "running" and (owner_gone(summary) or not in_use(run_dir.path)):
         summary = {**summary, "status": "died"}  # its process is gone without a word (kill -9, power loss)

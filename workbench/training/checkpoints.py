@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from safetensors.torch import load_file, save_file
 
-from workbench.base.errors import WorkbenchError, reported_as_write_error
+from workbench.base.errors import WorkbenchError, escaped, reported_as_write_error
 from workbench.distributed.accelerator import unwrap
 from workbench.rundir.runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
 from workbench.spec.strategies import Layout
@@ -103,9 +103,25 @@ def read_meta(path: Path) -> dict:
                 raise damage(path, META, key, "missing (every checkpoint that records more than its step has it)")
     if meta["step"] != _folder_step(path, meta["step"]):  # the folder is where the resume starts counting from
         raise damage(path, META, "step", f"{meta['step']}, in the folder of step {_folder_step(path, None)}")
-    if "progress" in meta:
+    if "progress" in meta:  # the loop's state: since it was written, with what wrote it and the schedule
+        for key in ("grad_accum", "scheduler"):
+            if key not in meta:
+                raise damage(path, META, key, "missing (every checkpoint that records the loop's progress has it)")
         _check_progress(path, META, meta["progress"], meta["step"])
+        _check_schedule(path, META, meta["scheduler"], meta["step"])
+    elif "scheduler" in meta:
+        raise damage(path, META, "progress", "missing (every checkpoint that records its schedule has it)")
     return meta
+
+
+def _check_schedule(path: Path, name: str, scheduler: dict, step: int) -> None:
+    """The schedule stepped once per optimizer step (a skipped update included): its counters are the step's,
+    or it would continue at another point of warmup and decay."""
+    if scheduler["last_epoch"] != step:
+        raise damage(path, name, "scheduler.last_epoch", f"{scheduler['last_epoch']}, in the checkpoint of step {step}")
+    if scheduler.get("_step_count") is not None and scheduler["_step_count"] != step + 1:
+        raise damage(path, name, "scheduler._step_count", f"{scheduler['_step_count']}, in the checkpoint of step "
+                     f"{step} (the schedule counts its construction as a step)")
 
 
 def _folder_step(path: Path, otherwise: int | None) -> int | None:
@@ -155,8 +171,8 @@ def _no_constant(name: str):
 
 def damage(path: Path, name: str, field: str | None, problem: str) -> WorkbenchError:
     where = f"{name}: {field}" if field else name
-    return WorkbenchError(f"--resume: checkpoint {path} is damaged ({where}: {problem}); delete it to resume from "
-                          "the one before")
+    return WorkbenchError(f"--resume: checkpoint {escaped(path)} is damaged ({where}: {problem}); delete it to "
+                          "resume from the one before")
 
 
 # -- what the JSON files hold ----------------------------------------------------------------------
@@ -290,6 +306,7 @@ def read_portable(path: Path, model) -> dict:
     portable = _read_json(path, PORTABLE_META, PortableMeta)
     step = _folder_step(path, portable["progress"]["step"])
     _check_progress(path, PORTABLE_META, portable["progress"], step)
+    _check_schedule(path, PORTABLE_META, portable["scheduler"], step)
     if portable["adam_step"] > step:  # one AdamW step for each step that was not skipped
         raise damage(path, PORTABLE_META, "adam_step", f"{portable['adam_step']}, more than its {step} steps")
     updates = step - portable["progress"].get("skipped_steps", 0)

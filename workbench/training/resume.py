@@ -97,7 +97,8 @@ class ResumePlan:
         if run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
             recipe, plan.changes, plan.notes = check_resume(recipe, run, world_size)
         elif run.latest_checkpoint() is not None:  # every run saves it before its first checkpoint
-            raise RecipeError(f"--resume: the run's own recipe {run.recipe} is missing (it says what the checkpoints "
+            raise RecipeError(f"--resume: the run's own recipe {escaped(run.recipe)} is missing (it says what the "
+                              f"checkpoints "
                               "hold and what a resume may change); restore it, or start the run again (--overwrite)")
         plan.limits = Limits(None if recipe.training.max_steps else math.ceil(recipe.training.epochs),
                              recipe.data.row_len)
@@ -163,7 +164,7 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
     try:
         saved = Recipe.load(run.recipe)
     except (RecipeError, OSError) as err:
-        raise RecipeError(f"--resume: cannot read the run's own recipe {run.recipe}: {err}") from None
+        raise RecipeError(f"--resume: cannot read the run's own recipe {escaped(run.recipe)}: {err}") from None
     recipe, notes, batch_problem = _keep_samples_per_step(saved, recipe, run, world_size)
     old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
     for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
@@ -173,7 +174,7 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
     refused = {k: v for k, v in changed.items() if not _safe(k) and (k not in BATCH_KEYS or batch_problem)}
     if refused:
         listed = _listed([line for key, (a, b) in refused.items() for line in _described(key, a, b)])
-        raise RecipeError(f"--resume: the recipe differs from the run's own ({run.recipe}) in what it trains: "
+        raise RecipeError(f"--resume: the recipe differs from the run's own ({escaped(run.recipe)}) in what it trains: "
                           f"{listed}{f' ({batch_problem})' if batch_problem else ''}. Resume with the run's recipe, or "
                           "start a new run (another name or --overwrite). A resume may change only "
                           f"{', '.join(SAFE_TO_CHANGE)}, and the micro-batch and accumulation where their product with "
@@ -249,16 +250,18 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     pickles = checkpoints.pickled_files(path)
     if pickles and ("progress" in meta or not meta.get("portable")):
         raise WorkbenchError(
-            f"--resume: checkpoint {path} holds pickled state ({', '.join(pickles)}), which loading would execute; "
+            f"--resume: checkpoint {escaped(path)} holds pickled state ({', '.join(pickles)}), which loading would "
+            f"execute; "
             + ("the workbench never writes it: the file was put there" if "progress" in meta else
                "it was written by an earlier version and has no portable copy: resume it with that version, or "
                "start the run again (--overwrite)"))
     if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
-        raise WorkbenchError(f"--resume: checkpoint {path} was written by an earlier version that recorded no "
+        raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by an earlier version that recorded no "
                              "layout; start the run again (--overwrite)")
     saved_groups = len(meta.get("scheduler", {}).get("base_lrs", []))
     if saved_groups and saved_groups != lr_groups:  # its schedule would leave some groups at a rate of their own
-        raise WorkbenchError(f"--resume: checkpoint {path} holds {saved_groups} learning-rate groups and this run "
+        raise WorkbenchError(f"--resume: checkpoint {escaped(path)} holds {saved_groups} learning-rate groups and "
+                             f"this run "
                              f"{lr_groups} (LoRA+ gives an embedding layer's factors and B's biases groups of their "
                              "own, as peft does, since it was written); resume it with the version that wrote it, "
                              "or start the run again (--overwrite)")
@@ -268,7 +271,10 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
     _check_place(path, meta, samples_per_epoch)
     _check_counters(path, checkpoints.META, meta, meta.get("progress"), samples_per_epoch, limits)
-    if same and not pickles:
+    if "progress" not in meta and not pickles and not meta.get("portable"):  # its loop state is nowhere
+        raise checkpoints.damage(path, checkpoints.META, "progress", "missing, and the checkpoint has no portable "
+                                 "copy that holds it")
+    if same and not pickles and "progress" in meta:
         return CheckpointChoice(path, "exact", meta)
     # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
     # moments, schedule, place in the epoch; safetensors and JSON only) continues it
@@ -305,8 +311,8 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
     for name, key, value, end in places:
         if value is not None and value > end:
             raise WorkbenchError(
-                f"--resume: checkpoint {path} lies past the end of its epoch ({name}: {key}: {value}, where this "
-                f"run's {samples_per_epoch:.0f} training rows make {rounds} micro-batches of "
+                f"--resume: checkpoint {escaped(path)} lies past the end of its epoch ({name}: {key}: {value}, where "
+                f"this run's {samples_per_epoch:.0f} training rows make {rounds} micro-batches of "
                 f"{meta['micro_batch_size']} x {meta['world_size']} process(es)); it is damaged, or the data changed "
                 "since it was written: delete it to resume from the one before, or resume with the data it was "
                 "written on")
@@ -463,10 +469,11 @@ def claim(run: RunDir, resume: bool, overwrite: bool) -> None:
     if not resume:
         return
     if run.completed():
-        raise WorkbenchError(f"{escaped(run.path)}: the run has completed; nothing to resume (--overwrite to train it again)")
+        raise WorkbenchError(f"{escaped(run.path)}: the run has completed; nothing to resume (--overwrite to train "
+                             f"it again)")
     if run.latest_checkpoint() is None:
-        raise WorkbenchError(f"{escaped(run.path)}: no complete checkpoint to resume from (the run stopped before its first "
-                             "save); --overwrite starts it again")
+        raise WorkbenchError(f"{escaped(run.path)}: no complete checkpoint to resume from (the run stopped before "
+                             "its first save); --overwrite starts it again")
     run.drop_cut_short_checkpoints()
 
 
@@ -498,7 +505,8 @@ def check_done(recipe: Recipe, run: RunDir) -> None:
     try:
         saved = Recipe.load(run.recipe)
     except (RecipeError, OSError) as err:
-        raise RecipeError(f"--resume auto: cannot read the completed run's own recipe {run.recipe}: {err}") from None
+        raise RecipeError(f"--resume auto: cannot read the completed run's own recipe {escaped(run.recipe)}: "
+                          f"{err}") from None
     old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
     for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
         if new.get(key) == AUTO and key in old:
@@ -512,11 +520,13 @@ def check_done(recipe: Recipe, run: RunDir) -> None:
         differs = [f"{names[key]}: the file's content changed since the run (content hash {recorded[key][:12]} -> "
                    f"{hashes[key][:12]})" for key in names
                    if recorded.get(key) and hashes.get(key) and recorded[key] != hashes[key]]
-        if base_fingerprint.changed(recorded.get("base_model"), recipe.model.path):
+        if not differs and base_fingerprint.changed(recorded.get("base_model"), recipe.model.path):
+            what = "base model"
             differs.append(f"model.path: the base model's files in {escaped(recipe.model.path)} hold other bytes "
                            "than the run was trained against")
     if differs:
-        raise RecipeError(f"--resume: the {what} differs from the run's own ({run.recipe}), which has completed: "
+        raise RecipeError(f"--resume: the {what} differs from the run's own ({escaped(run.recipe)}), which has "
+                          f"completed: "
                           f"{_listed(differs)}. A completed run is done only for the recipe and data that trained it: "
                           f"start a new run (another name or --overwrite); only {', '.join(SAME_RUN)} may differ")
 

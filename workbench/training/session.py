@@ -11,6 +11,7 @@ a bad row or a refused resume leaves an earlier run exactly as it was.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, printable
+from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, escaped, printable
 from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
 from workbench.data.batches import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows
 from workbench.data.prepared import prepare_data
@@ -79,6 +80,10 @@ class TrainingSession:
     def setup(self) -> None:
         """The resolved run (resume plan, precision, attention, layout), the preflight checks and the accelerator."""
         run, s = self.run_dir, self.summary
+        # before anything reads the base model (a folder written while it loads is found in take_over); by the
+        # process that writes the run, before there is an accelerator to say which that is
+        if os.environ.get("RANK", "0") == "0":
+            s.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
         # before the precision probe times matmuls
         s.threads, s.threads_reason = configure_threads(self.recipe.training.threads)
         self.resolved, self.tokenizer, self.model_config = resolve_run(
@@ -86,6 +91,9 @@ class TrainingSession:
             device_kind=local_kind())
         self.recipe = recipe = self.resolved.recipe  # from here on, the one recipe every stage reads
         self.layout = layout = self.resolved.layout
+        # what the estimator predicts for this setup, kept beside what the run measures: taken before the
+        # accelerator exists (ZeRO-3's model construction hooks, active from then on, cannot build a meta model)
+        self.prediction = prediction_for_run(recipe, layout, world_size_from_env(), local_kind())
         self.accelerator = accelerator = build_accelerator(recipe, str(run.path), layout)
         verify_launch(accelerator, layout)
         if self.auto_resume:
@@ -159,6 +167,8 @@ class TrainingSession:
                 recipe.data, self.tokenizer, seed=cfg.seed,
                 share_prompts=self.resolved.resume.share_prompts(recipe, self.resolved.attention, self.model_config),
                 whole_only=cfg.scores_sequences)
+        # the data a resumed run reads is the data its checkpoints counted: checked before any checkpoint is chosen
+        self.resolved.resume.check_data(self.data.stats)
         # (a stream has read its first buffer: what it left out so far)
         among = f" (of the first {self.data.stats['train_opening_rows']} rows read)" if streamed else ""
         if self.data.stats.get("train_cut") and self.main:
@@ -234,8 +244,8 @@ class TrainingSession:
         if self.resume:
             path = self.run_dir.path / adapter_init.EVA_FILE
             if not path.exists():
-                raise WorkbenchError(f"{path}: missing; the run's EVA initialisation cannot be repeated exactly "
-                                     "(--overwrite starts it again)")
+                raise WorkbenchError(f"{escaped(path)}: missing; the run's EVA initialisation cannot be repeated "
+                                     "exactly (--overwrite starts it again)")
             saved = load_file(str(path))
         else:
             longest = max(map(len, self.data.train["input_ids"])) * min(self.cfg.micro_batch_size, len(self.data.train))
@@ -252,8 +262,10 @@ class TrainingSession:
         run = self.run_dir
         if self.main:
             clear_stop_request(run)  # a request the run it was meant for has answered
+            if base_fingerprint.changed(self.summary.base_model, self.recipe.model.path):
+                raise WorkbenchError(f"model.path: the files of {escaped(self.recipe.model.path)} changed while the "
+                                     "run loaded them; start it again when nothing writes there")
             if self.resume:
-                self.resolved.resume.check_data(self.data.stats)
                 self.resolved.resume.check_base_model(self.recipe.model.path)
             else:
                 run.clear()  # an --overwrite replaces the earlier run only now, when the new one can start
@@ -264,7 +276,6 @@ class TrainingSession:
             if self.resolved.resume.changes:
                 self.summary.resume_changes = self.resolved.resume.history()
             self.summary.owner = process_owner()
-            self.summary.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
         self.taken = True
@@ -527,9 +538,7 @@ class TrainingSession:
         device_peak, peak_source = peak_flops(device.type, compute_dtype_of(self.recipe), torch.get_num_threads())
         world = accelerator.num_processes
         train_s = state.train_seconds
-        # what the estimator predicts for this setup, beside what was measured (computed after the
-        # measurement, so that building the estimate never shows in the measured peak)
-        s.prediction = prediction_for_run(self.recipe, self.layout, world, device.type)
+        s.prediction = self.prediction
         s.status, s.steps, s.epochs_started, s.tokens = "completed", state.step, state.epoch + 1, state.tokens
         s.wall_s, s.train_s = round(time.perf_counter() - self.started, 2), round(train_s, 2)
         s.finish_s = round(time.perf_counter() - self.loop_end, 2)
