@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.base.errors import RecipeError, WorkbenchError, escaped
+from workbench.base.metrics import read_metrics
 from workbench.data.streaming import content_hashes
 from workbench.hardware.precision import AUTO
 from workbench.model import base_fingerprint
@@ -147,6 +148,23 @@ class ResumePlan:
         if latest is not None:
             self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups,
                                      self.limits)
+            self._check_skipped_steps()
+
+    def _check_skipped_steps(self) -> None:
+        """The skipped updates a checkpoint counts are the steps metrics.jsonl records as skipped up to it (each
+        skip writes its row before the step's checkpoint): another count would misplace AdamW's bias correction
+        and the run's limit on skips."""
+        choice = self.checkpoint
+        progress = (choice.portable or {}).get("progress") or choice.meta.get("progress")
+        if progress is None or not self.run.metrics.exists():
+            return
+        step, counted = progress["step"], progress.get("skipped_steps", 0)
+        seen = sum(1 for row in read_metrics(self.run.metrics)
+                   if row.get("skipped") and isinstance(row.get("step"), int) and row["step"] <= step)
+        if seen != counted:
+            raise checkpoints.damage(choice.path, checkpoints.PORTABLE_META if choice.portable else checkpoints.META,
+                                     "progress.skipped_steps", f"{counted}, where metrics.jsonl records {seen} "
+                                     f"skipped step(s) up to step {step}")
 
     def history(self) -> list[dict]:
         """The run's recipe changes so far, this resume's appended (from the step it continues at)."""
