@@ -144,6 +144,30 @@ def test_a_user_deepspeed_file_must_agree_with_the_recipe_batch(tmp_path):
     assert deepspeed_config(recipe)["train_micro_batch_size_per_gpu"] == 4
 
 
+def test_a_zero3_run_always_keeps_the_whole_weights_it_saves_its_adapter_from(tmp_path):
+    """ZeRO-3 saves the adapter from the 16-bit weights it gathers at save: a user file that leaves the setting out
+    gets it; one that turns it off, or a recipe that does, is refused before the run (it used to train every step
+    and then fail at the save, with a traceback)."""
+    from workbench.spec.strategies import ZERO3, layout_problem
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    recipe = Recipe.load(RECIPE).override(f"distributed.deepspeed.config_file={path}")
+    assert deepspeed_config(recipe)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    path.write_text('{"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": false}}')
+    with pytest.raises(RecipeError, match=r"config_file: .*ds\.json sets zero_optimization\.stage3_gather_16bit"):
+        deepspeed_config(recipe)
+    with pytest.raises(RecipeError, match="distributed.deepspeed.save_16bit_model: false leaves ZeRO-3"):
+        Recipe.load(RECIPE).override("distributed.strategy=deepspeed", "distributed.deepspeed.stage=3",
+                                     "distributed.deepspeed.save_16bit_model=false")  # named: refused as it loads
+    auto = Recipe.load(RECIPE).override("distributed.deepspeed.save_16bit_model=false")  # auto: once it resolves
+    assert "distributed.deepspeed.save_16bit_model: false" in layout_problem(auto, ZERO3)
+    # the bucket sizes follow the model's width (accelerate fills `auto`), not DeepSpeed's 5e8-element default
+    zero = deepspeed_config(Recipe.load(RECIPE).override("distributed.strategy=deepspeed",
+                                                         "distributed.deepspeed.stage=3"))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == "auto"
+
+
 def test_hybrid_shard_needs_several_machines_of_several_processes(monkeypatch):
     recipe = Recipe.load(RECIPE).override("distributed.fsdp.sharding=hybrid")
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from workbench.base.errors import WorkbenchError
+from workbench.estimator.calibration import SPREADS, spread_of
 from workbench.estimator.memory import estimate
 from workbench.hardware.catalogue import GiB, get_device, parse_bytes
 from workbench.spec.model_configs import describe_model, find_config, shipped_configs
 from workbench.spec.model_configs import lora_targets
 from workbench.spec.recipe import Recipe
+from workbench.spec.strategies import candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.yaml"
@@ -165,8 +167,13 @@ def test_json_shape():
     assert isinstance(data["recommended"], str)
     json.dumps(data)
     for s in data["strategies"]:
-        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits", "refused"}
-        assert set(s["limits"]) == {"micro_batch_size", "max_seq_len"}
+        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits", "refused", "spread",
+                          "per_device_range", "limits_cautious"}
+        assert set(s["limits"]) == set(s["limits_cautious"]) == {"micro_batch_size", "max_seq_len"}
+        # the range is the spread measured runs of this kind of layout showed, around the estimate
+        assert s["per_device_range"] == [int(s["per_device_bytes"] * s["spread"][k]) for k in ("low", "high")]
+        assert set(s["spread"]) == {"low", "high", "runs"} and s["spread"]["low"] <= s["spread"]["high"]
+        assert all(s["limits_cautious"][k] <= s["limits"][k] for k in s["limits"])
         assert set(s["breakdown"]) == BREAKDOWN
         assert all(isinstance(v, int) and v >= 0 for v in s["breakdown"].values())
         assert s["per_device_bytes"] == sum(s["breakdown"].values())
@@ -358,8 +365,10 @@ def test_published_figures(tmp_path):
         ratio = est / published
         rows.append(f"| {source} | {setting} | {strategy} | {est / GB:.1f} GB | {published / GB:.1f} GB | "
                     f"{ratio:.2f} |")
-        # a loose guard: the sources differ from the workbench in ways docs/estimator.md explains
-        assert 0.4 < ratio < 2.5, (source, ratio)
+        # the spread the estimator reports for this kind of layout holds every published run of it
+        layout = next(c for c in candidates(world, 1) if c.name == strategy)
+        spread = spread_of(layout, "cuda")
+        assert spread.low <= 1 / ratio <= spread.high, (source, 1 / ratio, spread)
     print("\n" + "\n".join(rows))
 
 
@@ -394,9 +403,11 @@ def test_the_estimate_is_within_10_percent_of_every_peak_measured_on_a_gpu(tmp_p
         lines.append(f"{row['name']} @ {row['seq']}: estimate {predicted:,.0f} MB, measured {row['peak_mb']:,.0f} MB, "
                      f"ratio {predicted / row['peak_mb']:.3f}")
     print("\n" + "\n".join(lines))
+    spread = SPREADS["gpu_replicated"]
     for line, row in zip(lines, measured):
         ratio = float(line.rsplit(" ", 1)[1])
         assert 0.90 <= ratio <= 1.10, line
+        assert spread.low <= 1 / ratio <= spread.high, (line, spread)  # the spread reported holds it
 
 
 # -- calibration against real runs (CPU peak RSS) ---------------------------------------------------
@@ -451,6 +462,8 @@ def check_estimate_against_a_real_run(name, tmp_path):
           f"ratio {predicted / measured:.2f}")
     assert predicted == pytest.approx(measured, rel=tolerance), \
         f"{name}: {predicted / 2**20:.0f} vs {measured / 2**20:.0f} MiB"
+    spread = SPREADS["cpu"]
+    assert spread.low <= measured / predicted <= spread.high, (name, measured / predicted, spread)
 
 
 def test_the_cli_prints_the_documented_json(capsys):

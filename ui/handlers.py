@@ -234,10 +234,13 @@ class Handlers:
         fig = charts.memory_breakdown(data.get("strategies", []), data.get("recommended"), capacity, label)
         table = pd.DataFrame([{
             "strategy": s["name"], "per device (GiB)": round(s.get("per_device_bytes", 0) / GIB, 3),
+            # what runs of this kind of layout measured against the estimate (workbench/estimator/calibration.py)
+            "measured range (GiB)": "–".join(f"{b / GIB:.2f}" for b in s.get("per_device_range") or []) or None,
             "CPU RAM (GiB)": round((s.get("cpu_bytes") or 0) / GIB, 3), "fits": "yes" if s.get("fits") else "no",
             **{f"{k} (GiB)": round((v or 0) / GIB, 3) for k, v in (s.get("breakdown") or {}).items()},
             "max micro-batch": (s.get("limits") or {}).get("micro_batch_size"),
             "max seq len": (s.get("limits") or {}).get("max_seq_len"),
+            "max seq len (high end)": (s.get("limits_cautious") or {}).get("max_seq_len"),
         } for s in data.get("strategies", [])])
         return fig, status_html("ok" if data.get("recommended") not in (None, "none") else "warn",
                                 "\n".join(_estimate_lines(data, capacity))), table
@@ -534,6 +537,12 @@ def _estimate_lines(data: dict, capacity: float | None) -> list[str]:
         if t.get("cost") is not None:
             line += f", ≈ ${t['cost']:,.2f}" if t["cost"] >= 0.01 else ", < $0.01"
         lines.append(line)
+    chosen = next((s for s in data.get("strategies") or [] if s.get("name") == data.get("recommended")), None)
+    if chosen and chosen.get("spread"):
+        spread, (low, high) = chosen["spread"], chosen["per_device_range"]
+        lines.append(f"uncertainty: measured peaks of {chosen['name']} runs have been {spread['low']:.2f}–"
+                     f"{spread['high']:.2f} × the estimate ({low / GIB:,.1f}–{high / GIB:,.1f} GiB here; "
+                     f"{spread['runs']})")
     lines += [f"• {note}" for note in data.get("notes") or []]
     return lines
 

@@ -16,7 +16,7 @@ from types import MethodType
 
 import torch
 
-from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.base.errors import RecipeError, WorkbenchError, escaped
 from workbench.distributed.trackers import tensorboard_dir
 from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
                                         world_size_from_env)
@@ -181,6 +181,13 @@ def deepspeed_config(recipe: Recipe) -> dict:
     training = recipe.training
     if ds.config_file:
         config = read_deepspeed_file(ds.config_file)
+        zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+        if zero.get("stage") == 3:  # the adapter is saved from 16-bit weights gathered from every process
+            if zero.get("stage3_gather_16bit_weights_on_model_save") is False:
+                raise RecipeError(f"distributed.deepspeed.config_file: {escaped(ds.config_file)} sets "
+                                  "zero_optimization.stage3_gather_16bit_weights_on_model_save false; ZeRO-3 runs "
+                                  "save their adapter from the gathered 16-bit weights: set it true or leave it out")
+            config = {**config, "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True}}
     else:
         # bucket sizes from the model's width (accelerate fills `auto` as the Trainer does): DeepSpeed's own
         # defaults hold 5e8 elements of gradients in one buffer, a gigabyte in 16 bits whatever the model

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from workbench.base.errors import RecipeError
 from workbench.base.heap import LARGE_BLOCK, large_blocks_returned
+from workbench.estimator.calibration import spread_of
 from workbench.hardware.catalogue import Device, get_device
 from workbench.hardware.current import node_count
 from workbench.hardware.precision import compute_dtype_of, frozen_dtype_of, resolve_recipe, vocabulary_dtype
@@ -34,6 +35,7 @@ from workbench.spec.strategies import FSDP, PARTS, Layout, candidates, layout_pr
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
+CUDA_HOST_LIBRARIES = 2 * 2**30  # what a CUDA process's host memory holds of its libraries (1-3 GB as measured)
 CPU_HEAP_GROWTH = 1.5  # RSS grows by this much per byte of live per-step tensors on CPU (glibc heap: 1.3 measured
 # when the tokenized data is cached, 1.7 when the run tokenizes first)
 # Blocks the heap maps on its own (workbench/base/heap.py) go back to the system when freed: no growth for those
@@ -116,6 +118,14 @@ class Estimate:
         console.print(f"max batch: the largest training.micro_batch_size that fits at data.max_seq_len="
                       f"{self.limits_at.get('max_seq_len')}; max len: the longest data.max_seq_len at "
                       f"training.micro_batch_size={self.limits_at.get('micro_batch_size')}")
+        chosen = next((s for s in self.strategies if s["name"] == self.recommended), self.strategies[0])
+        spread, cautious = chosen.get("spread"), chosen.get("limits_cautious") or {}
+        if spread:
+            low, high = chosen["per_device_range"]
+            console.print(f"spread: measured peaks of {chosen['name']} runs have been {spread['low']:.2f}-"
+                          f"{spread['high']:.2f} x the estimate ({_gib(low)} to {_gib(high)} here; {spread['runs']}); "
+                          f"at the high end, max batch {_limit(cautious.get('micro_batch_size'), MAX_MICRO_BATCH)}, "
+                          f"max len {_limit(cautious.get('max_seq_len'), MAX_SEQ_LEN)}")
         line = f"throughput: ~{t['tokens_per_s']:,.0f} tokens/s on {d['count']} device(s) (MFU {t['mfu']})"
         if t.get("epoch_tokens"):
             line += (f"; epoch of ~{t['epoch_tokens']:,} tokens: {t['epoch_hours']:.2f} h, "
@@ -148,6 +158,13 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     for row, limits, layout in zip(strategies, fit_limits(recipe, info, dev, world_size, nodes, layouts), layouts):
         row["limits"] = limits
         row["refused"] = layout_problem(recipe, layout)  # a layout the recipe cannot run, whatever its memory
+        # what measured runs of this kind of layout have been against the estimate (estimator/calibration.py)
+        spread = spread_of(layout, dev.kind)
+        row["spread"] = spread.to_json()
+        row["per_device_range"] = [int(row["per_device_bytes"] * spread.low), int(row["per_device_bytes"] * spread.high)]
+        # the planner's limits where this run lands as high as the highest measured one did
+        cautious = replace(dev, memory=int(dev.memory / max(spread.high, 1.0)))
+        row["limits_cautious"] = fit_limits(recipe, info, cautious, world_size, nodes, [layout])[0]
     recommended = next((s["name"] for s in strategies if s["fits"] and not s["refused"]), "none")
     model = {"name": recipe.model.path, "source": info.source, "params": info.params,
              "trainable_params": terms["trainable_params"],
@@ -540,8 +557,17 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     activations = _step_bytes(t, part["gradients"]) - part["gradients"]  # beyond the gradients
     breakdown = {**part, "activations": activations, "other": other}
     per_device = sum(breakdown.values())
-    host = per_device if dev.kind == "cpu" else cpu_runtime_bytes(uses_deepspeed) + offloaded + t["initial_adapter"]
-    cpu_bytes = local * host
+    if dev.kind == "cpu":
+        cpu_bytes = local * per_device
+    else:
+        # each process: the interpreter, torch and CUDA's host libraries, what it offloads, a PiSSA/OLoRA run's
+        # starting adapter. Loading comes first: where the layout shards the weights, one process per machine
+        # reads the whole model into host memory and hands each its shard (FSDP's cpu_ram_efficient_loading,
+        # ZeRO-3's partitioning of a loaded model); the others wait with none
+        runtime = cpu_runtime_bytes(uses_deepspeed) + CUDA_HOST_LIBRARIES
+        training = local * (runtime + offloaded + t["initial_adapter"])
+        loading = local * runtime + (t["weights"] if layout.shards_weights else 0)
+        cpu_bytes = max(training, loading)
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
     return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
             "breakdown": {k: int(v) for k, v in breakdown.items()}}

@@ -190,6 +190,10 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
     if training.optimizer != "adamw" and layout.strategy == "deepspeed":
         return (f"training.optimizer: {training.optimizer} is a bitsandbytes optimizer; DeepSpeed needs adamw "
                 "(use distributed.deepspeed.offload_optimizer: cpu to save optimizer memory)")
+    if layout.strategy == "deepspeed" and layout.shards_weights and not dist.deepspeed.save_16bit_model:
+        # (a config_file's own setting is checked as it is read: distributed/accelerator.py)
+        return ("distributed.deepspeed.save_16bit_model: false leaves ZeRO-3 no whole weights to save the adapter "
+                "from when the run ends; set it true")
     init = adapter_init.of(recipe)
     if layout.strategy == "deepspeed" and layout.shards_weights and (init.decomposes or init.needs_data):
         # ZeRO-3 partitions the weights as they load: no whole weight is left to decompose or to run forward with
