@@ -29,8 +29,8 @@ SPREADS = {
     "cpu": Spread(0.95, 1.30, "2-core CPUs: single (7 runs, tiny and SmolLM2-135M; SmolLM2 in float32, on CPUs "
                               "without native bf16, up to 1.30), ddp and fsdp on 2 and 4 processes (SmolLM2-135M, "
                               "bench/layouts_cpu.py)"),
-    "cpu_deepspeed": Spread(1.25, 1.40, "this machine: ZeRO-3 on 2 processes (SmolLM2-135M, bench/layouts_cpu.py); "
-                                        "the estimate does not yet hold all DeepSpeed keeps"),
+    "cpu_deepspeed": Spread(1.15, 1.25, "2-core CPU: ZeRO-3 on 2 processes (SmolLM2-135M, bench/layouts_cpu.py); "
+                                        "the estimate does not yet name 0.4-0.6 GB DeepSpeed keeps per process"),
     "gpu_replicated": Spread(0.78, 1.04, "one GPU: torchtune's Llama 3.1 8B LoRA and QLoRA, the QLoRA paper's 65B "
                                          "bound, the 1.24B GPU check on an H200 (5 rows)"),
     "gpu_sharded": Spread(1.15, 1.25, "2 GPUs, FSDP: PEFT's Llama-2-70B QLoRA (one published run)"),
@@ -42,7 +42,7 @@ def family(layout: Layout, device_kind: str) -> str:
     """Which spread a layout's figure on this kind of device is read with."""
     if device_kind == "cpu":
         return "cpu_deepspeed" if layout.strategy == "deepspeed" else "cpu"
-    if layout.offloads:
+    if "weights" in layout.offloads:  # (an optimizer offloaded alone is read as its layout without it)
         return "gpu_offload"
     return "gpu_sharded" if layout.shards_weights else "gpu_replicated"
 
