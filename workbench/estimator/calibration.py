@@ -33,8 +33,10 @@ SPREADS = {
                                         "the estimate does not yet name 0.4-0.6 GB DeepSpeed keeps per process"),
     "gpu_replicated": Spread(0.78, 1.04, "one GPU: torchtune's Llama 3.1 8B LoRA and QLoRA, the QLoRA paper's 65B "
                                          "bound, the 1.24B GPU check on an H200 (5 rows)"),
-    "gpu_sharded": Spread(1.15, 1.25, "2 GPUs, FSDP: PEFT's Llama-2-70B QLoRA (one published run)"),
-    "gpu_offload": Spread(1.75, 1.90, "2 GPUs, FSDP with CPU offload: PEFT's Llama-2-70B QLoRA (one published run)"),
+    "gpu_sharded": Spread(0.87, 1.21, "2 GPUs: Answer.AI's Llama-2-7B LoRA and QLoRA under FSDP (4 runs), PEFT's "
+                                      "Llama-2-70B QLoRA under FSDP and under ZeRO-3"),
+    "gpu_offload": Spread(0.96, 1.60, "2 GPUs, FSDP with CPU offload: Answer.AI's Llama-2-7B and 70B QLoRA, PEFT's "
+                                      "Llama-2-70B QLoRA"),
 }
 
 

@@ -298,6 +298,8 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
         **_gathered_bytes(recipe, info),
         "dequantized_copy": _dequantized_bytes(recipe, info, dev),
+        # the checkpoint as published (what a process reads into host memory to hand out shards)
+        "checkpoint_bytes": info.checkpoint_bytes or info.params * DTYPE_BYTES.get(info.checkpoint_dtype, 2),
         "master_weights": 4 * trainable if train_bytes < 4 else 0,
         # with one micro-batch per step, backward frees activations as it creates gradients (and
         # zero_grad(set_to_none) frees those): the two peak one after the other, not together
@@ -490,7 +492,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     # checkpointing, 24% below it with).
     one_layer = (2 if train.gradient_checkpointing else 1) * layer if not on_gpu else \
         (layer if train.gradient_checkpointing else 0)
-    loss_full = tokens * max(12 * info.vocab, one_layer)
+    loss_full = tokens * (12 * info.vocab + one_layer) if on_gpu else tokens * max(12 * info.vocab, one_layer)
     loss = loss_full
     if chunked_loss(recipe, info):
         from workbench.model.lm_loss import CHUNK_ELEMENTS
@@ -568,11 +570,12 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     else:
         # each process: the interpreter, torch and CUDA's host libraries, what it offloads, a PiSSA/OLoRA run's
         # starting adapter. Loading comes first: where the layout shards the weights, one process per machine
-        # reads the whole model into host memory and hands each its shard (FSDP's cpu_ram_efficient_loading,
-        # ZeRO-3's partitioning of a loaded model); the others wait with none
+        # reads the whole checkpoint into host memory as published (16-bit; 4-bit layers are quantized on their
+        # way to the device) and hands each its shard (FSDP's cpu_ram_efficient_loading, ZeRO-3's partitioning
+        # of a loaded model); the others wait with none. Published 70B runs: 107-128 GB (docs/estimator.md)
         runtime = cpu_runtime_bytes(uses_deepspeed) + CUDA_HOST_LIBRARIES
         training = local * (runtime + offloaded + t["initial_adapter"])
-        loading = local * runtime + (t["weights"] if layout.shards_weights else 0)
+        loading = local * runtime + (t["checkpoint_bytes"] if layout.shards_weights else 0)
         cpu_bytes = max(training, loading)
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
     return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
