@@ -330,6 +330,24 @@ def test_a_tampered_checkpoint_record_is_one_line_naming_its_file_and_field(tmp_
         assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before, case
 
 
+def test_a_lora_plus_group_rate_other_than_the_recipe_gives_is_refused(tmp_path):
+    """LoRA+'s B group learns lora_plus_ratio times faster than the rest: a checkpoint whose schedule holds another
+    rate for it (the first group's is set from the recipe as the run continues, the others were not) is damaged."""
+    whole = tmp_path / "whole"
+    lora_plus = ["training.max_steps=4", "output.save_every=2", "adapter.lora_plus_ratio=16"]
+    run(whole, *lora_plus)
+    for name, micro in (("workbench_checkpoint.json", 4), ("portable.json", 2)):
+        target = interrupted_copy(whole, tmp_path / name, 2)
+        _edit(RunDir(target).checkpoint(2), name, lambda m: m["scheduler"]["base_lrs"].__setitem__(
+            1, m["scheduler"]["base_lrs"][1] * 100))
+        with pytest.raises(WorkbenchError, match=rf"{re.escape(name)}: scheduler\.base_lrs\[1\]: .*, where the "
+                                                 r"recipe's rates give "):
+            run(target, *lora_plus, f"training.micro_batch_size={micro}",
+                f"training.grad_accum={8 // micro}", resume=True)
+    resumed = interrupted_copy(whole, tmp_path / "genuine", 2)  # and the genuine one continues
+    assert run(resumed, *lora_plus, resume=True)["steps"] == 4
+
+
 def test_a_checkpoint_epoch_past_the_recipe_is_refused(tmp_path):
     """Without max_steps the recipe's epochs bound the epoch a checkpoint is in (another would train on another
     shuffle); the tokens are bounded by what its steps can read."""

@@ -107,3 +107,28 @@ def test_auto_checks_a_cpu_only_under_a_budget():
     assert budget_for(tiny.override("distributed.device_memory=2GiB"), cpu).bytes == 2 * 2**30
     assert budget_for(tiny.override("training.fit_check=false", "distributed.device_memory=2GiB"), cpu) is None
     assert budget_for(tiny.override("training.fit_check=true"), cpu).source == "this machine's RAM"
+
+
+def test_a_step_whose_gradients_are_not_finite_leaves_the_weights_as_they_were():
+    """AdamW at rate 0 adds 0 x its update, which is NaN where the gradients are: the check then takes no
+    optimizer step at all (the run's own on_nonfinite decides what such a batch does)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from workbench.training.fit_check import measure_step
+
+    model = torch.nn.Linear(4, 1)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, reduce=lambda t, reduction: t,
+                                  backward=lambda loss: loss.backward(),
+                                  gradient_state=SimpleNamespace(_set_sync_gradients=lambda value: None))
+    for poison in (float("nan"), 1.0):
+        objective = SimpleNamespace(counts=lambda m, b: torch.ones(1),
+                                    loss=lambda m, b, t, p=poison: SimpleNamespace(loss=(m(b["x"]) * p).sum()))
+        peak, start, out_of_memory = measure_step(accelerator, model, optimizer, objective, {"x": torch.ones(2, 4)})
+        assert peak > 0 and not out_of_memory
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items()), poison
+        assert not optimizer.state and all(p.grad is None for p in model.parameters())
+        assert [g["lr"] for g in optimizer.param_groups] == [1e-3]

@@ -92,7 +92,9 @@ def test_resume_auto_finds_a_completed_run_done_only_for_the_run_it_is(tiny_reci
     kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     with pytest.raises(RecipeError, match=r"^--resume: the recipe differs .*completed: training\.lr: .* -> 1e-05\. "):
         train(recipe.override("training.lr=1e-5"), resume="auto", progress_bar=False)
-    again = train(recipe.override("training.threads=3"), resume="auto", progress_bar=False)  # cannot change it
+    # none of these can change what it trained: a requeued job given a memory budget or a fit check is done too
+    again = train(recipe.override("training.threads=3", "distributed.device_memory=64GiB", "training.fit_check=true"),
+                  resume="auto", progress_bar=False)
     assert again.summary == done.summary
     for path, edit in ((data, lambda text: text.replace("what", "WHAT")),
                        (template, lambda text: text + "{# edited #}")):
@@ -191,6 +193,20 @@ def test_the_base_model_fingerprint_holds_every_byte(tmp_path, monkeypatch):
     os.utime(replaced, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     os.replace(replaced, big)
     assert big.stat().st_size == stamp.st_size and big.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert base_fingerprint.changed(recorded, str(folder))
+    # a file swapped for another and swapped back (as during a run's load): its stat moved, whatever it holds
+    before = base_fingerprint.stat_digest(str(folder))
+    copy = folder / "copy"
+    copy.write_bytes(big.read_bytes())
+    os.replace(copy, big)
+    assert base_fingerprint.stat_digest(str(folder)) != before
+    # shards a weights index names in a subfolder are read by the loader: they are fingerprinted too
+    (folder / "w").mkdir()
+    (folder / "w" / "model-1.safetensors").write_bytes(b"shard")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "w/model-1.safetensors", "b": '
+                                                         '"../outside.safetensors"}}')
+    recorded = base_fingerprint.fingerprint(str(folder))
+    (folder / "w" / "model-1.safetensors").write_bytes(b"other")
     assert base_fingerprint.changed(recorded, str(folder))
 
 

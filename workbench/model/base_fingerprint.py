@@ -78,7 +78,29 @@ def _files(folder: Path) -> list[str]:
                 found.append(entry)
         except OSError:
             found.append(entry)  # unreadable now: its digest says so
+    # and the shards a weights index names, wherever in the folder they lie (the loader reads them from there)
+    for index in [name for name in found if name.endswith(".index.json")]:
+        try:
+            weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+            shards = {str(v) for v in weight_map.values()} if isinstance(weight_map, dict) else set()
+        except (OSError, ValueError, AttributeError):
+            continue  # an index that cannot be read: the loader names it
+        found.extend(sorted(name for name in shards - set(found) if _inside(folder, name)))
     return found
+
+
+def _inside(folder: Path, name: str) -> bool:
+    try:
+        return (folder / name).resolve().is_relative_to(folder.resolve()) and (folder / name).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def stat_digest(path: str) -> str | None:
+    """The names, sizes, times and inodes of model.path's files now (None: no local folder): a run compares the
+    digest it took before loading the model with the one after, and refuses any difference."""
+    folder = local_folder(path)
+    return None if folder is None else _stat_digest(folder, _files(folder))
 
 
 def _stat_digest(folder: Path, files: list[str]) -> str:

@@ -1,7 +1,8 @@
 """Whether a run fits its device, found before the run directory is written: one forward, backward and optimizer
 step on the data's longest micro-batch (the worst case, not the first), measured against the device's memory.
 
-The step leaves nothing behind. Its learning rate is 0 (AdamW's update and its weight decay are then exact no-ops),
+The step leaves nothing behind. Its learning rate is 0 (AdamW's update and its weight decay are then exact no-ops;
+with gradients that are not all finite the optimizer does not step at all),
 its gradients and the optimizer states it created are dropped after it, and the random state its dropout drew from
 is put back: a checked run trains exactly as an unchecked one (tests/test_fit_check.py compares their losses).
 DeepSpeed takes its optimizer step inside backward, at the recipe's rate, so its layouts are not checked this way,
@@ -77,9 +78,12 @@ def measure_step(accelerator, model, optimizer, objective, batch: dict) -> tuple
                 totals = accelerator.reduce(objective.counts(model, batch), reduction="sum")
                 accelerator.gradient_state._set_sync_gradients(True)
                 accelerator.backward(objective.loss(model, batch, totals).loss)
-                for group in inner.param_groups:
-                    group["lr"] = 0.0
-                inner.step()
+                # AdamW at rate 0 adds 0 x its update: exact where the update is finite, NaN where the gradients
+                # are not (a batch on_nonfinite: skip would drop); such a step's states are not created
+                if _gradients_finite(accelerator, inner):
+                    for group in inner.param_groups:
+                        group["lr"] = 0.0
+                    inner.step()
             except Exception as err:  # noqa: BLE001  only an allocation failure is the check's answer
                 if not is_out_of_memory(err):
                     raise
@@ -92,6 +96,16 @@ def measure_step(accelerator, model, optimizer, objective, batch: dict) -> tuple
         model.train(was_training)
         release_cached_memory(device)
     return peak.bytes, peak.start, out_of_memory
+
+
+def _gradients_finite(accelerator, optimizer) -> bool:
+    """Whether every gradient the optimizer would apply is finite, on every process."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a sharded one: this process's shard
+    local = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    flag = torch.tensor([0.0 if bool(local) else 1.0], device=accelerator.device)
+    return not bool(accelerator.reduce(flag, reduction="sum").item()) if accelerator.num_processes > 1 else \
+        not bool(flag.item())
 
 
 def check(session) -> dict | None:

@@ -48,6 +48,7 @@ SAFE_TO_CHANGE = (
     "output.sample_prompts", "output.sample_max_new_tokens", "training.threads", "training.on_nonfinite",
     "training.fast_paths", "training.gradient_checkpointing", "training.activation_offloading",
     "training.compile", "model.attn",  # kernels and compilation: the same computation, faster
+    "training.fit_check",  # a check before the run: it trains nothing
     "training.resume",  # how a restarted job continues, not what it trains
     "training.lr",  # the way out of a divergence: the schedule continues, scaled to the new peak
     "name", "output.dir",  # where the run is: found already, by this very recipe
@@ -142,7 +143,7 @@ class ResumePlan:
                                  "it held; resume with the model it started on, or start a new run")
 
     def choose_checkpoint(self, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-                          model, lr_groups: int) -> None:
+                          model, lr_groups: list[tuple[float, float | None]]) -> None:
         """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
         latest = self.run.latest_checkpoint() if self.resuming else None
         if latest is not None:
@@ -260,9 +261,9 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-           model, lr_groups: int, limits: Limits | None = None) -> CheckpointChoice:
+           model, lr_groups: list[tuple[float, float | None]], limits: Limits | None = None) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
-    optimizer's `lr_groups` parameter groups) and that the files it needs are whole; WorkbenchError naming both
+    optimizer's parameter groups, `lr_groups`: (peak rate, scale) each) and that the files it needs are whole; WorkbenchError naming both
     sides otherwise. Reads files only."""
     meta = checkpoints.read_meta(path)
     pickles = checkpoints.pickled_files(path)
@@ -277,10 +278,10 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by an earlier version that recorded no "
                              "layout; start the run again (--overwrite)")
     saved_groups = len(meta.get("scheduler", {}).get("base_lrs", []))
-    if saved_groups and saved_groups != lr_groups:  # its schedule would leave some groups at a rate of their own
+    if saved_groups and saved_groups != len(lr_groups):  # its schedule would leave some groups at a rate of their own
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} holds {saved_groups} learning-rate groups and "
                              f"this run "
-                             f"{lr_groups} (LoRA+ gives an embedding layer's factors and B's biases groups of their "
+                             f"{len(lr_groups)} (LoRA+ gives an embedding layer's factors and B's biases groups of their "
                              "own, as peft does, since it was written); resume it with the version that wrote it, "
                              "or start the run again (--overwrite)")
     written = Layout.from_json(meta["layout"])
@@ -289,6 +290,8 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     same = (written, meta["world_size"], meta["micro_batch_size"]) == (layout, world_size, micro_batch)
     _check_place(path, meta, samples_per_epoch)
     _check_counters(path, checkpoints.META, meta, meta.get("progress"), samples_per_epoch, limits)
+    if saved_groups:
+        _check_group_rates(path, checkpoints.META, meta["scheduler"]["base_lrs"], lr_groups)
     if "progress" not in meta and not pickles and not meta.get("portable"):  # its loop state is nowhere
         raise checkpoints.damage(path, checkpoints.META, "progress", "missing, and the checkpoint has no portable "
                                  "copy that holds it")
@@ -303,6 +306,8 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     portable = checkpoints.read_portable(path, model)
     _check_place(path, meta, samples_per_epoch, portable)
     _check_same_place(path, meta, portable)
+    if len(portable["scheduler"]["base_lrs"]) == len(lr_groups):  # (another count: refused above, from the meta)
+        _check_group_rates(path, checkpoints.PORTABLE_META, portable["scheduler"]["base_lrs"], lr_groups)
     _check_counters(path, checkpoints.PORTABLE_META, meta, portable["progress"], samples_per_epoch, limits)
     if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
         raise WorkbenchError(
@@ -334,6 +339,18 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
                 f"{meta['micro_batch_size']} x {meta['world_size']} process(es)); it is damaged, or the data changed "
                 "since it was written: delete it to resume from the one before, or resume with the data it was "
                 "written on")
+
+
+def _check_group_rates(path: Path, name: str, base_lrs: list[float], groups: list[tuple[float, float | None]]) -> None:
+    """Each group's peak rate keeps its scale to the first scaled group's (LoRA+'s B group: lora_plus_ratio times
+    the rest; a resume's new peak scales them all alike), and a group of no scale its own peak: another rate would
+    train a group at a speed the recipe does not give it."""
+    reference = next(((peak, scale) for peak, (_, scale) in zip(base_lrs, groups) if scale), None)
+    for i, (peak, (rate, scale)) in enumerate(zip(base_lrs, groups)):
+        want = rate if scale is None or reference is None else reference[0] * scale / reference[1]
+        if not math.isclose(peak, want, rel_tol=1e-6):
+            raise checkpoints.damage(path, name, f"scheduler.base_lrs[{i}]", f"{peak:g}, where the recipe's rates "
+                                     f"give {want:g}")
 
 
 def _check_same_place(path: Path, meta: dict, portable: dict) -> None:
@@ -514,7 +531,8 @@ def auto_resume(recipe: Recipe, run: RunDir, world_size: int) -> str:
 # What a completed run may be asked for again with: settings that cannot change what it trained (how many CPU
 # threads, how often a row is logged) and where the run is and how a restarted job finds it. Everything else,
 # the lr and the rest of SAFE_TO_CHANGE included, would have trained another adapter.
-SAME_RUN = ("training.threads", "output.log_every", "training.resume", "name", "output.dir")
+SAME_RUN = ("training.threads", "output.log_every", "training.resume", "name", "output.dir", "training.fit_check",
+            "distributed.device_memory")
 
 
 def check_done(recipe: Recipe, run: RunDir) -> None:

@@ -82,7 +82,9 @@ class TrainingSession:
         run, s = self.run_dir, self.summary
         # before anything reads the base model (a folder written while it loads is found in take_over); by the
         # process that writes the run, before there is an accelerator to say which that is
+        self.base_files = None
         if os.environ.get("RANK", "0") == "0":
+            self.base_files = base_fingerprint.stat_digest(self.recipe.model.path)
             s.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
         # before the precision probe times matmuls
         s.threads, s.threads_reason = configure_threads(self.recipe.training.threads)
@@ -235,7 +237,8 @@ class TrainingSession:
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
         self.resolved.resume.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
                                         math.inf if self.recipe.data.streaming else len(self.data.train), model,
-                                        len(self.optimizer.param_groups))
+                                        [(group["lr"], group.get("lr_scale", 1.0))
+                                         for group in self.optimizer.param_groups])
 
     def data_driven_init(self, model) -> dict:
         """adapter.init eva: A from this run's training data (the first epoch as one process is dealt it, on every
@@ -262,7 +265,8 @@ class TrainingSession:
         run = self.run_dir
         if self.main:
             clear_stop_request(run)  # a request the run it was meant for has answered
-            if base_fingerprint.changed(self.summary.base_model, self.recipe.model.path):
+            # any write between the fingerprint and now (a file swapped and swapped back: another inode, ctime)
+            if base_fingerprint.stat_digest(self.recipe.model.path) != self.base_files:
                 raise WorkbenchError(f"model.path: the files of {escaped(self.recipe.model.path)} changed while the "
                                      "run loaded them; start it again when nothing writes there")
             if self.resume:
