@@ -17,6 +17,7 @@ from pathlib import Path
 
 from workbench.base.errors import RecipeError
 from workbench.base.heap import LARGE_BLOCK, large_blocks_returned
+from workbench.base.units import format_bytes
 from workbench.estimator.calibration import spread_of
 from workbench.hardware.catalogue import Device, get_device
 from workbench.hardware.current import node_count
@@ -98,17 +99,18 @@ class Estimate:
         from rich.table import Table
 
         d = self.device
-        table = Table(title=f"{self.model['name']} on {d['count']} × {d['name']} ({_gib(d['memory_bytes'])} each)")
+        table = Table(title=f"{self.model['name']} on {d['count']} × {d['name']} "
+                            f"({format_bytes(d['memory_bytes'])} each)")
         for col in ("strategy", "per device", "fits", "weights", "adapter", "grads", "optim", "activ.", "other",
                     "CPU RAM/node", "max batch", "max len"):
             table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
         for s in self.strategies:
             b = s["breakdown"]
             mark = "*" if s["name"] == self.recommended else ""
-            table.add_row(s["name"] + mark, _gib(s["per_device_bytes"]),
+            table.add_row(s["name"] + mark, format_bytes(s["per_device_bytes"]),
                           "refused" if s.get("refused") else "yes" if s["fits"] else "no",
-                          *(_gib(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
-                                                  "other")), _gib(s["cpu_bytes"]),
+                          *(format_bytes(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
+                                                  "other")), format_bytes(s["cpu_bytes"]),
                           _limit(s.get("limits", {}).get("micro_batch_size"), MAX_MICRO_BATCH),
                           _limit(s.get("limits", {}).get("max_seq_len"), MAX_SEQ_LEN))
         console = Console(width=width, record=True, file=open(os.devnull, "w"))
@@ -124,7 +126,7 @@ class Estimate:
         if spread:
             low, high = chosen["per_device_range"]
             console.print(f"spread: measured peaks of {chosen['name']} runs have been {spread['low']:.2f}-"
-                          f"{spread['high']:.2f} x the estimate ({_gib(low)} to {_gib(high)} here; {spread['runs']}); "
+                          f"{spread['high']:.2f} x the estimate ({format_bytes(low)} to {format_bytes(high)} here; {spread['runs']}); "
                           f"at the high end, max batch {_limit(cautious.get('micro_batch_size'), MAX_MICRO_BATCH)}, "
                           f"max len {_limit(cautious.get('max_seq_len'), MAX_SEQ_LEN)}")
         line = f"throughput: ~{t['tokens_per_s']:,.0f} tokens/s on {d['count']} device(s) (MFU {t['mfu']})"
@@ -587,7 +589,7 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
     notes = []
     first = strategies[0]
     if first["fits"]:
-        used = f"{_gib(first['per_device_bytes'])} of {_gib(dev.memory)}"
+        used = f"{format_bytes(first['per_device_bytes'])} of {format_bytes(dev.memory)}"
         if world_size == 1:
             notes.append(f"One {dev.name} is enough ({used}). More devices would multiply the cost "
                          "for a less than proportional speed-up.")
@@ -616,13 +618,13 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
         took = f"{seconds:.2g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
         notes.append(f"adapter.init {recipe.adapter.init}: every target weight is decomposed on the CPU at start-up "
                      f"({terms['init_flops'] / 1e12:.3g} TFLOP, about {took} on this machine's CPU), and "
-                     f"the starting adapter is kept in host memory ({_gib(terms['initial_adapter'])}) to save the "
+                     f"the starting adapter is kept in host memory ({format_bytes(terms['initial_adapter'])}) to save the "
                      "trained one for the published base.")
     init = adapter_init.of(recipe)
     if init.needs_data and init.before_adapter:
         notes.append(f"adapter.init {recipe.adapter.init}: forward passes over the first {adapter_init.CORDA_ROWS} "
                      "training rows at start-up collect each target's input covariance (held together: "
-                     f"{_gib(terms['init_transient'])}).")
+                     f"{format_bytes(terms['init_transient'])}).")
     elif init.needs_data:
         notes.append(f"adapter.init {recipe.adapter.init}: forward passes over the first training micro-batches at "
                      "start-up, until each layer's components converge (peft may cycle the first epoch), before the "
@@ -704,7 +706,3 @@ def _text_chars(value) -> int:
     if isinstance(value, list):
         return sum(_text_chars(v) for v in value)
     return 0
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"
