@@ -28,18 +28,30 @@ def long_rows(tmp_path_factory) -> Path:
     return path
 
 
-def cli_train(run_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+# The estimate read as if it allowed any micro-batch: what an estimate that is too optimistic starts the fit check at
+OPTIMISTIC = ("import sys; import workbench.estimator.batch_choice as choice; "
+              "choice.micro_batch_limit = lambda *a, **k: 4096; "
+              "from workbench.frontends.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def cli_train(run_dir: Path, data: Path, *extra: str, entry: tuple[str, ...] = ("-m", "workbench")
+              ) -> subprocess.CompletedProcess:
     """A fresh process: its peak RSS is the run's own."""
     return subprocess.run(
-        [sys.executable, "-m", "workbench", "train", "recipes/tiny.yaml", f"output.dir={run_dir}", f"data.train={data}",
+        [sys.executable, *entry, "train", "recipes/tiny.yaml", f"output.dir={run_dir}", f"data.train={data}",
          "data.eval=null", "data.max_seq_len=1024", "training.max_steps=1", "training.threads=1", *FP32,
          "--no-progress", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+def first_loss(run_dir: Path) -> float:
+    return next(r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+
+
 def test_a_step_that_does_not_fit_stops_before_the_run_directory_naming_what_keeps_the_batch(tmp_path, long_rows):
     """The check measures the longest micro-batch's step; over the budget it names the step's share, the
-    estimate's largest terms and settings that keep micro-batch x accumulation and fit; the smallest of them
-    then passes the same check for real."""
+    estimate's largest terms and settings that keep micro-batch x accumulation and fit. With
+    training.micro_batch_size auto, the same budget steps down from the split that did not fit to one that does,
+    for real, and trains the same step."""
     big = ["training.micro_batch_size=16", "training.grad_accum=1"]
     measured = cli_train(tmp_path / "a", long_rows, *big, "--device-memory", "64GiB")
     assert measured.returncode == 0, measured.stderr
@@ -57,14 +69,22 @@ def test_a_step_that_does_not_fit_stops_before_the_run_directory_naming_what_kee
     assert not (tmp_path / "b").exists()  # nothing written
     splits = [s for s in err.split("; ") if s.startswith("training.micro_batch_size=")]
     assert splits, err
-    smallest = min(splits, key=lambda s: int(s.split()[0].split("=")[1]))
-    micro, accum = (int(part.split("=")[1]) for part in smallest.split()[:2])
-    assert micro * accum == 16
+    assert all(int(split.split()[0].split("=")[1]) * int(split.split()[1].split("=")[1]) == 16 for split in splits)
 
-    taken = cli_train(tmp_path / "c", long_rows, f"training.micro_batch_size={micro}",
-                      f"training.grad_accum={accum}", "--device-memory", str(budget))
+    # an estimate that allows 16 starts the check there; 16 does not fit, a smaller split is measured and taken
+    auto = ["training.micro_batch_size=auto", "training.grad_accum=1", "training.batch_size=16"]
+    taken = cli_train(tmp_path / "c", long_rows, *auto, "--device-memory", str(budget), entry=("-c", OPTIMISTIC))
     assert taken.returncode == 0, taken.stderr
-    assert json.loads((tmp_path / "c" / "run.json").read_text())["summary"]["fit_check"]["fit_check"] == "fits"
+    assert "micro-batch 16 peaked at" in taken.stdout and "measuring a smaller split" in taken.stdout
+    summary = json.loads((tmp_path / "c" / "run.json").read_text())["summary"]
+    choice, check = summary["batch_choice"], summary["fit_check"]
+    assert choice["micro_batch_size"] < 16 and choice["micro_batch_size"] * choice["grad_accum"] == 16
+    assert "measured step fit" in choice["reason"] and check["micro_batch_size"] == choice["micro_batch_size"]
+    assert check["fit_check"] == "fits" and check["fit_check_peak_bytes"] <= budget
+    saved = Recipe.load(tmp_path / "c" / "recipe.yaml").training  # the split taken, as numbers a resume keeps
+    assert (saved.micro_batch_size, saved.grad_accum, saved.batch_size) == (choice["micro_batch_size"],
+                                                                            choice["grad_accum"], 16)
+    assert first_loss(tmp_path / "c") == pytest.approx(first_loss(tmp_path / "a"), rel=1e-5)  # the same 16 rows
 
 
 def test_a_budget_below_the_process_itself_is_one_line_and_writes_nothing(tmp_path, long_rows):

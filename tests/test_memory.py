@@ -595,3 +595,22 @@ def test_the_planner_says_none_fits_and_stops_at_the_models_context():
     assert by_name(roomy)["single"]["limits"]["max_seq_len"] == describe_model("builtin:tiny").context
     text = roomy.to_text()
     assert "max batch" in text and "4,096+" in text  # the search's own cap, said as a floor
+
+
+@pytest.mark.parametrize("budget", ["2GiB", "64GiB"])
+def test_micro_batch_auto_is_estimated_at_one_sequence_and_split_per_layout(budget):
+    """The table of an auto recipe holds one sequence per micro-batch; each layout's row takes the largest divisor
+    of training.batch_size within its cautious limit (the planner's own figure), and the notes say so."""
+    auto = Recipe.load(ROOT / "recipes/llama3.1-8b-qlora.yaml", [
+        "training.micro_batch_size=auto", "training.grad_accum=1", "training.batch_size=24",
+        f"distributed.device_memory={budget}"])
+    est = estimate(auto, world_size=2)
+    one = estimate(auto.override("training.micro_batch_size=1", "training.grad_accum=24", "training.batch_size=null"),
+                   world_size=2)
+    assert [s["per_device_bytes"] for s in est.strategies] == [s["per_device_bytes"] for s in one.strategies]
+    for row in est.strategies:
+        micro, accum = row["micro_batch_split"]
+        limit = row["limits_cautious"]["micro_batch_size"]
+        assert micro * accum == 24 and (micro <= limit or micro == 1)
+        assert all(larger > limit for larger in (8, 12, 24, 6, 4, 3, 2) if larger > micro and 24 % larger == 0)
+    assert any(note.startswith("training.micro_batch_size auto: the table holds one sequence") for note in est.notes)

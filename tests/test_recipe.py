@@ -35,7 +35,15 @@ def write(tmp_path, text: str) -> Path:
     ("adapter: {method: lorax}", "adapter.method: Input should be 'lora', 'qlora', 'dora' or 'full', got 'lorax'"),
     ("adapter: {r: -1}", "adapter.r: Input should be greater than 0"),
     ("adapter: {target_modules: everything}", "adapter.target_modules: must be one of all-linear, attention, mlp"),
-    ("training: {micro_batch_size: many}", "training.micro_batch_size: Input should be a valid integer"),
+    ("training: {micro_batch_size: many}", "training.micro_batch_size: must be a whole number above 0, or auto; "
+                                           "got 'many'"),
+    ("training: {micro_batch_size: true}", "training.micro_batch_size: must be a whole number above 0, or auto; "
+                                           "got true"),
+    ("training: {micro_batch_size: auto}", "training: micro_batch_size auto splits training.batch_size"),
+    ("training: {micro_batch_size: auto, batch_size: 8, grad_accum: 2}",
+     "training: grad_accum 2 beside micro_batch_size auto, which chooses it"),
+    ("training: {micro_batch_size: 2, grad_accum: 2, batch_size: 8}",
+     "training: batch_size 8 is not micro_batch_size x grad_accum (2 x 2 = 4)"),
     ("adapter: {method: lora}\nquantization: {bits: 4}", "quantization: only used with adapter.method: qlora"),
     # pydantic reads true as 1: a buffer of one row would shuffle nothing
     ("data: {streaming: true, shuffle_buffer: true}", "data.shuffle_buffer: must be a number, not true"),

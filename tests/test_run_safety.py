@@ -651,3 +651,38 @@ def test_overwrite_removes_the_exact_leftovers_it_writes_and_no_look_alike_of_th
     assert sorted(kept) == sorted(users)
     assert sorted(p.name for p in folder.iterdir()) == sorted([*users, "run.json"])
     assert all((folder / name).read_text() == name for name in users)
+
+
+def test_micro_batch_auto_resumes_with_the_split_its_run_took(tiny_recipe):
+    """training.micro_batch_size auto splits training.batch_size once, when the run starts; the run keeps the split
+    as numbers, so a resume on a machine whose memory would choose another continues exactly, and a completed run
+    is done for the same auto recipe and refused for another batch_size."""
+    import shutil
+
+    from workbench.estimator.memory import estimate
+
+    auto = tiny_recipe.override("training.micro_batch_size=auto", "training.grad_accum=1", "training.batch_size=8",
+                                "training.max_steps=4", "output.save_every=2", "output.keep_last=2",
+                                "training.fit_check=false")
+    whole = train(auto, progress_bar=False)
+    choice = whole.summary["batch_choice"]
+    assert choice["micro_batch_size"] * choice["grad_accum"] == 8
+    # where this run's estimate would split it otherwise: the estimator's row says which split a budget takes
+    small = "distributed.device_memory=300MiB"
+    assert estimate(auto.override(small)).strategies[0]["micro_batch_split"] != [choice["micro_batch_size"],
+                                                                                 choice["grad_accum"]]
+    crashed = auto.override(f"output.dir={whole.run_dir.parent}/crashed")
+    shutil.copytree(whole.run_dir, crashed.run_dir)
+    shutil.rmtree(crashed.run_dir / "checkpoints" / "step-4")
+    shutil.rmtree(crashed.run_dir / "adapter")
+    RunDir(crashed.run_dir).update_json(summary={"status": "running"})
+    resumed = train(crashed.override(small), resume=True, progress_bar=False)
+    assert resumed.summary["steps"] == 4
+    weights = [(run / "adapter" / "adapter_model.safetensors").read_bytes() for run in (whole.run_dir,
+                                                                                        resumed.run_dir)]
+    assert weights[0] == weights[1]
+    assert whole.metrics["loss"].dropna().tolist() == resumed.metrics["loss"].dropna().tolist()
+    # a completed run: done for its own auto recipe; another batch_size trains another adapter
+    assert train(auto, resume="auto", progress_bar=False).summary == whole.summary
+    with pytest.raises(RecipeError, match=r"completed: training\.batch_size: 8 -> 4"):
+        train(auto.override("training.batch_size=4"), resume="auto", progress_bar=False)

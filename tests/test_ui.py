@@ -87,6 +87,17 @@ def test_form_and_yaml_round_trip_every_shipped_recipe(path):
     assert form.recipe_from_yaml(form.to_yaml(data)).to_dict() == recipe.to_dict()
 
 
+def test_the_micro_batch_field_takes_a_number_or_auto():
+    assert {s.key: s for s in form.FIELDS}["training.micro_batch_size"].kind == "text"  # not a comma list
+    auto = Recipe.load(ROOT / "recipes/tiny.yaml", ["training.micro_batch_size=auto", "training.grad_accum=1",
+                                                    "training.batch_size=8"])
+    data = form.dict_from_widgets(widgets_for(auto))
+    assert form.validate(data).to_dict() == auto.to_dict()
+    typed = form.validate(form.dict_from_widgets(set_field(widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml")),
+                                                           "training.micro_batch_size", "6")))
+    assert typed.training.micro_batch_size == 6
+
+
 def test_editing_the_form_updates_the_yaml(h):
     values = widgets_for(Recipe.load(ROOT / "recipes/tiny.yaml"))
     values = set_field(values, "adapter.r", 32)

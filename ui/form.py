@@ -91,6 +91,8 @@ def _leaf(path: tuple[str, ...], annotation, info, default) -> FieldSpec:
         spec.kind, spec.choices = "multiselect", list(typing.get_args(args[0]))
     elif origin is list:
         spec.kind = "list"
+    elif origin in (typing.Union, types.UnionType) and any(typing.get_origin(a) is Literal for a in args):
+        spec.kind = "text"  # a number or a word (micro_batch_size: 4 or auto): the schema reads the text
     elif origin in (typing.Union, types.UnionType):
         spec.kind = "str_or_list"
     return spec

@@ -26,7 +26,7 @@ from workbench.hardware.probes import cpu_decomposition_rate, cpu_runtime_bytes
 from workbench.model.attention import dense_mask_warning, mask_bytes
 from workbench.model.attention import resolve as resolve_attention
 from workbench.model.attention import with_implementation as attention_for
-from workbench.spec import adapter_init
+from workbench.spec import adapter_init, batch_split
 from workbench.spec.adapter_init import startup_cost
 from workbench.spec.formats import format_of
 from workbench.spec.model_configs import ModelInfo, chunked_loss, describe_model, lora_targets, named_in
@@ -149,12 +149,10 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     """Memory per device for each strategy, the recommended one, and predicted throughput and cost."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise RecipeError(f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})")
-    dev = get_device(device, device_memory if device_memory is not None else recipe.distributed.device_memory)
-    # the same `auto` precision a run on that device would resolve (workbench/hardware/precision.py)
-    recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
-    info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
-    recipe, attention = attention_for(recipe, dev.kind, here=False,  # the kernel a run there uses
-                                      flex_problem=None if info.flex_attention else "no FlexAttention for this model")
+    batch_size = recipe.training.batch_size if recipe.training.micro_batch_auto else None
+    if batch_size:  # the table at one sequence; each layout's row says the split it would take
+        recipe = batch_split.provisional(recipe)
+    recipe, precision, info, attention, dev = _as_run_there(recipe, device, device_memory)
     terms = single_device_terms(recipe, info, dev)
     layouts = candidates(world_size, nodes)
     strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in layouts]
@@ -168,6 +166,9 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
         # the planner's limits where this run lands as high as the highest measured one did
         cautious = replace(dev, memory=int(dev.memory / max(spread.high, 1.0)))
         row["limits_cautious"] = fit_limits(recipe, info, cautious, world_size, nodes, [layout])[0]
+        if batch_size:
+            micro = batch_split.largest_within(batch_size, row["limits_cautious"]["micro_batch_size"])
+            row["micro_batch_split"] = [micro, batch_size // micro]
     recommended = next((s["name"] for s in strategies if s["fits"] and not s["refused"]), "none")
     model = {"name": recipe.model.path, "source": info.source, "params": info.params,
              "trainable_params": terms["trainable_params"],
@@ -179,8 +180,35 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     device_json["precision"] = precision.to_json()
     device_json["attention"] = attention.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
+    if batch_size:
+        notes.append(f"training.micro_batch_size auto: the table holds one sequence per micro-batch; the split of "
+                     f"training.batch_size={batch_size} each layout would take (the largest whose estimate fits at "
+                     "the high end of its measured range): " + ", ".join(
+                         f"{s['name']} {s['micro_batch_split'][0]} x {s['micro_batch_split'][1]}" for s in strategies))
     limits_at = {"micro_batch_size": recipe.training.micro_batch_size, "max_seq_len": recipe.data.max_seq_len}
     return Estimate(model, device_json, strategies, recommended, throughput, notes, details, terms, limits_at)
+
+
+def _as_run_there(recipe: Recipe, device: str | None, device_memory: int | str | None):
+    """The recipe as a run on that device would resolve it (precision, attention kernel), with what describes
+    them: (recipe, precision, model info, attention, device)."""
+    dev = get_device(device, device_memory if device_memory is not None else recipe.distributed.device_memory)
+    # the same `auto` precision a run on that device would resolve (workbench/hardware/precision.py)
+    recipe, precision = resolve_recipe(recipe, dev.kind, dev.bf16 if dev.kind == "cuda" else None)
+    info = describe_model(recipe.model.path, recipe.model.revision, recipe.model.trust_remote_code)
+    recipe, attention = attention_for(recipe, dev.kind, here=False,  # the kernel a run there uses
+                                      flex_problem=None if info.flex_attention else "no FlexAttention for this model")
+    return recipe, precision, info, attention, dev
+
+
+def micro_batch_limit(recipe: Recipe, layout: Layout, world_size: int, nodes: int = 1, *, end: str = "high",
+                      device_memory: int | str | None = None) -> int:
+    """The largest training.micro_batch_size whose estimate on `layout` fits this machine's device where the run
+    lands at that `end` ("high" or "low") of the layout's measured spread (0: not even one sequence)."""
+    recipe, _, info, _, dev = _as_run_there(recipe, None, device_memory)
+    spread = spread_of(layout, dev.kind)
+    scaled = replace(dev, memory=int(dev.memory / (max(spread.high, 1.0) if end == "high" else spread.low)))
+    return fit_limits(recipe, info, scaled, world_size, nodes, [layout])[0]["micro_batch_size"]
 
 
 def layout_estimate(recipe: Recipe, layout: Layout, world_size: int, device_type: str,

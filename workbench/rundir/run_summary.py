@@ -37,6 +37,7 @@ class RunSummary:
     data: dict = field(default_factory=dict)  # prepare_data's figures (examples, tokens, content hashes, ...)
     base_model: dict | None = None  # the fingerprint of a local model.path folder (model/base_fingerprint.py)
     fit_check: dict | None = None  # what training.fit_check measured (training/fit_check.py)
+    batch_choice: dict | None = None  # training.micro_batch_size auto: the split taken and why
 
     # -- at the end ---------------------------------------------------------------------------------------------
     eval_final: dict = field(default_factory=dict)  # the objective's other held-out figures, as "<name>_final"
@@ -81,7 +82,8 @@ class RunSummary:
     def at_first_step(self) -> dict:
         return {"status": self.status, "world_size": self.world_size, "total_steps": self.total_steps,
                 "params": self.params, "trainable_params": self.trainable_params, **self.data,
-                "base_model": self.base_model, "fit_check": self.fit_check}
+                "base_model": self.base_model, "fit_check": self.fit_check,
+                "batch_choice": self.batch_choice}
 
     def at_end(self) -> dict:
         summary = {**self.at_first_step(), **self.eval_final}

@@ -264,8 +264,15 @@ class DataSection(Section):
 class TrainingSection(Section):
     epochs: float = Field(1, gt=0, description="passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="optimizer steps to run; overrides epochs.")
-    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass per device.")
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step.")
+    micro_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        4, description="sequences per forward pass per device. auto: the largest split of training.batch_size "
+                       "(micro-batch x accumulation) that fits the device, by the estimate and then by "
+                       "training.fit_check's measured step; a resume keeps the split its run took.")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step (chosen with micro_batch_size "
+                                                 "auto: leave it at 1).")
+    batch_size: int | None = Field(None, gt=0, description="samples of one optimizer step on each process "
+                                                           "(micro_batch_size x grad_accum): what micro_batch_size "
+                                                           "auto splits; beside a number, it must equal the product.")
     lr: float = Field(2e-4, gt=0, description="peak learning rate.")
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="fraction of steps spent warming up.")
@@ -317,6 +324,38 @@ class TrainingSection(Section):
 
     _precision_spelling = field_validator("mixed_precision", mode="before")(
         lambda value: spelled(value, MIXED_PRECISION_SPELLINGS))
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _micro_batch_spelling(cls, value):
+        # one message for both sides of the union (pydantic would name each, and read true as 1)
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
+            return int(value)
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)[:40]
+        raise ValueError(f"must be a whole number above 0, or auto; got {shown}")
+
+    @model_validator(mode="after")
+    def _batch_split(self):
+        if self.micro_batch_size == "auto":
+            if self.batch_size is None:
+                raise ValueError("micro_batch_size auto splits training.batch_size (the samples of one optimizer "
+                                 "step on each process) into micro-batch x accumulation: set batch_size")
+            if self.grad_accum != 1:
+                raise ValueError(f"grad_accum {self.grad_accum} beside micro_batch_size auto, which chooses it: "
+                                 f"leave grad_accum at 1 (the step's samples are batch_size, {self.batch_size})")
+        elif self.batch_size is not None and self.batch_size != self.micro_batch_size * self.grad_accum:
+            raise ValueError(f"batch_size {self.batch_size} is not micro_batch_size x grad_accum "
+                             f"({self.micro_batch_size} x {self.grad_accum} = "
+                             f"{self.micro_batch_size * self.grad_accum}): set one side to match, or "
+                             "micro_batch_size: auto to have the split chosen")
+        return self
+
+    @property
+    def micro_batch_auto(self) -> bool:
+        """Whether the micro-batch is chosen per run (workbench/estimator/micro_batch.py), not set."""
+        return self.micro_batch_size == "auto"
 
     @property
     def objective_spec(self) -> Objective:

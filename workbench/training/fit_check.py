@@ -8,9 +8,11 @@ is put back: a checked run trains exactly as an unchecked one (tests/test_fit_ch
 DeepSpeed takes its optimizer step inside backward, at the recipe's rate, so its layouts are not checked this way,
 and a stream's longest rows are not known before it is read.
 
-A step that does not fit names the estimate's largest term for this layout and the settings that keep the global
-batch (micro-batch x accumulation x processes) and fit, each estimate scaled by what this step measured against
-its own estimate.
+With training.micro_batch_size auto, a split of training.batch_size that does not fit is followed by the next
+smaller one (the session then deals its batches at the split that fit). A step that fits at none of them, or
+at the recipe's own micro-batch, names the estimate's largest terms for this layout and the settings that keep
+the global batch (micro-batch x accumulation x processes) and fit, each estimate scaled by what this step
+measured against its own estimate.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from workbench.base.errors import RecipeError
 from workbench.base.units import format_bytes, parse_bytes
 from workbench.estimator.memory import layout_estimate
 from workbench.hardware.current import StretchPeak, device_total_bytes, is_out_of_memory, release_cached_memory
+from workbench.spec import batch_split
 from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import Layout
 
@@ -119,18 +122,37 @@ def check(session) -> dict | None:
     if skipped:
         accelerator.print(f"training.fit_check: not run ({skipped})")
         return {"fit_check": "skipped", "fit_check_reason": skipped}
-    batch = worst_micro_batch(session.data.train, recipe.training.micro_batch_size, session.collate)
-    peak, start, out_of_memory = measure_step(accelerator, session.model, session.optimizer, session.objective, batch)
-    if accelerator.num_processes > 1:  # every rank stops, or none
-        seen = accelerator.gather(torch.tensor([[peak, start, int(out_of_memory)]], device=accelerator.device))
-        worst = int(seen[:, 0].argmax())
-        peak, start, out_of_memory = int(seen[worst, 0]), int(seen[worst, 1]), bool(seen[:, 2].max())
-    tokens = batch["input_ids"].shape
-    if out_of_memory or peak > budget.bytes:
-        raise RecipeError(overflow_message(recipe, layout, accelerator.num_processes, accelerator.device.type,
-                                           budget, peak, start, out_of_memory, tokens))
-    return {"fit_check": "fits", "fit_check_peak_bytes": peak, "fit_check_start_bytes": start,
-            "fit_check_budget_bytes": budget.bytes}
+    # training.micro_batch_size auto: the estimate's split first, then each smaller one, until a step fits
+    choice = session.resolved.batch_choice
+    micro_batches = [recipe.training.micro_batch_size]
+    if choice is not None:
+        micro_batches += [micro for micro in batch_split.splits(choice.batch_size) if micro < micro_batches[0]]
+    for micro in micro_batches:
+        batch = worst_micro_batch(session.data.train, micro, session.collate)
+        peak, start, out_of_memory = _measured_everywhere(
+            accelerator, measure_step(accelerator, session.model, session.optimizer, session.objective, batch))
+        if not out_of_memory and peak <= budget.bytes:
+            split = {"micro_batch_size": micro} if choice is not None else {}
+            return {"fit_check": "fits", "fit_check_peak_bytes": peak, "fit_check_start_bytes": start,
+                    "fit_check_budget_bytes": budget.bytes, **split}
+        if micro != micro_batches[-1]:
+            accelerator.print(f"training.micro_batch_size auto: micro-batch {micro} "
+                              f"{'ran out of memory' if out_of_memory else f'peaked at {format_bytes(peak)}'} over "
+                              f"{format_bytes(budget.bytes)} of {budget.source}; measuring a smaller split")
+    if choice is not None:
+        recipe = batch_split.split(recipe, choice.batch_size, micro)
+    raise RecipeError(overflow_message(recipe, layout, accelerator.num_processes, accelerator.device.type,
+                                       budget, peak, start, out_of_memory, batch["input_ids"].shape))
+
+
+def _measured_everywhere(accelerator, measured: tuple[int, int, bool]) -> tuple[int, int, bool]:
+    """The worst process's (peak, start, out of memory): every rank stops, or none."""
+    if accelerator.num_processes == 1:
+        return measured
+    peak, start, out_of_memory = measured
+    seen = accelerator.gather(torch.tensor([[peak, start, int(out_of_memory)]], device=accelerator.device))
+    worst = int(seen[:, 0].argmax())
+    return int(seen[worst, 0]), int(seen[worst, 1]), bool(seen[:, 2].max())
 
 
 TERM_NAMES = {"other": "runtime and allocator"}  # the estimate's lump of what is not weights, states or activations

@@ -11,15 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from workbench.distributed.launcher import check_launcher_agrees
+from workbench.estimator.batch_choice import BatchChoice
+from workbench.estimator.batch_choice import choose as choose_batch_split
 from workbench.estimator.layout_choice import resolve as resolve_layout
 from workbench.hardware.precision import Precision, resolve_recipe
 from workbench.model.attention import Attention, dense_mask_warning, flex_problem_for_run
 from workbench.model.attention import with_implementation as attention_for
 from workbench.model.loading import load_config, load_tokenizer
 from workbench.rundir.runs import RunDir
+from workbench.spec import batch_split
 from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import Layout
+from workbench.training import fit_check
 from workbench.training.preflight import preflight
 from workbench.training.resume import ResumePlan
 
@@ -34,13 +40,17 @@ class ResolvedRun:
     layout: Layout
     layout_reason: str
     warnings: tuple[str, ...]
+    batch_choice: BatchChoice | None = None  # training.micro_batch_size auto on a new run: the split taken
 
 
 def resolve_run(recipe: Recipe, run: RunDir, *, resume: bool, world_size: int, nodes: int,
                 device_kind: str) -> tuple[ResolvedRun, Any, Any]:
     """The resolved run, with the tokenizer and model config it was resolved against (loaded once, here)."""
-    recipe, plan = ResumePlan.start(recipe, run, resume, world_size)
+    recipe, plan = ResumePlan.start(recipe, run, resume, world_size)  # a resume: `auto` split as its run took it
     asked_attention, asked_strategy = recipe.model.attn, recipe.distributed.strategy
+    split_asked = recipe.training.batch_size if recipe.training.micro_batch_auto else None
+    if split_asked:  # the checks below and the layout's choice read one sequence per micro-batch
+        recipe = batch_split.provisional(recipe)
     recipe, precision = resolve_recipe(recipe, device_kind)
     tokenizer, model_config = load_tokenizer(recipe.model, recipe.data.chat_template), load_config(recipe.model)
     recipe, attention = attention_for(recipe, device_kind,
@@ -49,6 +59,12 @@ def resolve_run(recipe: Recipe, run: RunDir, *, resume: bool, world_size: int, n
                 *preflight(recipe, tokenizer, model_config, resume))
     recipe, layout, why = resolve_layout(recipe, world_size, nodes)
     check_launcher_agrees(layout.strategy)
+    choice = None
+    if split_asked:
+        measured = (fit_check.budget_for(recipe, torch.device(device_kind)) is not None
+                    and fit_check.why_not_checked(recipe, layout) is None)
+        recipe, choice = choose_batch_split(recipe, split_asked, layout, world_size, nodes, measured=measured)
+    # saved with the split taken: a resume continues with it, whatever another machine's memory would choose
     saved = recipe.override(distributed__strategy=asked_strategy, model__attn=asked_attention)
-    resolved = ResolvedRun(recipe, saved, plan, precision, attention, layout, why, warnings)
+    resolved = ResolvedRun(recipe, saved, plan, precision, attention, layout, why, warnings, choice)
     return resolved, tokenizer, model_config

@@ -38,6 +38,7 @@ from workbench.hardware.precision import AUTO
 from workbench.model import base_fingerprint
 from workbench.model.attention import model_drops_out, shares_prompts
 from workbench.rundir.runs import RunDir
+from workbench.spec import batch_split
 from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import Layout
 from workbench.training import checkpoints
@@ -184,6 +185,7 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
         saved = Recipe.load(run.recipe)
     except (RecipeError, OSError) as err:
         raise RecipeError(f"--resume: cannot read the run's own recipe {escaped(run.recipe)}: {err}") from None
+    recipe = split_as_saved(saved, recipe)
     recipe, notes, batch_problem = _keep_samples_per_step(saved, recipe, run, world_size)
     old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
     for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
@@ -204,7 +206,19 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
     return recipe.override(**overrides), changed, notes
 
 
-BATCH_KEYS = ("training.micro_batch_size", "training.grad_accum")
+BATCH_KEYS = ("training.micro_batch_size", "training.grad_accum", "training.batch_size")
+
+
+def split_as_saved(saved: Recipe, new: Recipe) -> Recipe:
+    """training.micro_batch_size auto means: the split of training.batch_size the run took (its own recipe holds
+    it as numbers), so that a resume continues it exactly. Another batch_size keeps the run's micro-batch where it
+    divides it, and the change is then judged as any change of the step's samples."""
+    if not new.training.micro_batch_auto or saved.training.micro_batch_auto:
+        return new
+    micro = saved.training.micro_batch_size
+    batch_size = new.training.batch_size
+    return batch_split.split(new, batch_size, micro if batch_size % micro == 0 else
+                             batch_split.largest_within(batch_size, micro))
 
 
 def _keep_samples_per_step(saved: Recipe, new: Recipe, run: RunDir,
@@ -227,7 +241,8 @@ def _keep_samples_per_step(saved: Recipe, new: Recipe, run: RunDir,
     if untouched and not rest and per_process % micro == 0:
         note = (f"resume: training.grad_accum {accum} -> {per_process // micro} on {world_size} process(es), to keep "
                 f"the run's {was}")
-        return new.override(training__grad_accum=per_process // micro), [note], None
+        kept = {"training__batch_size": per_process} if new.training.batch_size is not None else {}
+        return new.override(training__grad_accum=per_process // micro, **kept), [note], None
     if rest:
         keep = (f"no micro-batch and accumulation keep {samples} on {world_size} process(es): resume on a process "
                 f"count that divides {samples} (as {before[2]} does)")
@@ -543,6 +558,7 @@ def check_done(recipe: Recipe, run: RunDir) -> None:
     except (RecipeError, OSError) as err:
         raise RecipeError(f"--resume auto: cannot read the completed run's own recipe {escaped(run.recipe)}: "
                           f"{err}") from None
+    recipe = split_as_saved(saved, recipe)
     old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
     for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
         if new.get(key) == AUTO and key in old:

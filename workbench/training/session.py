@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,7 +43,7 @@ from workbench.model.loading import attach_adapter, count_parameters, load_base_
 from workbench.rundir.model_card import refresh_model_cards
 from workbench.rundir.run_summary import PEAK_MEMORY_MB, RunSummary
 from workbench.rundir.runs import RunDir, TrainResult, environment, process_owner, read_result
-from workbench.spec import adapter_init
+from workbench.spec import adapter_init, batch_split
 from workbench.spec.compat import check_runtime
 from workbench.spec.recipe import Recipe
 from workbench.training import checkpoints, fit_check, objectives
@@ -180,7 +181,13 @@ class TrainingSession:
         if self.data.stats.get("train_empty") and self.main:
             accelerator.print(f"warning: {self.data.stats['train_empty']} training sample(s){among} lost their whole "
                               f"answer to truncation at data.max_seq_len={recipe.data.max_seq_len} and are left out")
-        self.collate = collate = Collator(self.tokenizer.pad_token_id)
+        self.collate = Collator(self.tokenizer.pad_token_id)
+        self.deal_batches()
+
+    def deal_batches(self) -> None:
+        """The loaders of this process's micro-batches, at the recipe's micro-batch (dealt again where the fit
+        check took a smaller split of training.batch_size)."""
+        cfg, accelerator, collate, streamed = self.cfg, self.accelerator, self.collate, self.recipe.data.streaming
         # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
         # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
         # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
@@ -286,12 +293,9 @@ class TrainingSession:
 
     def prepare_model(self) -> None:
         """Model and optimizer placed for the layout, the schedule, the objective (nothing written yet)."""
-        recipe, cfg, accelerator = self.recipe, self.cfg, self.accelerator
+        recipe, accelerator = self.recipe, self.accelerator
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
-        # (a streamed run has no length: it runs training.max_steps)
-        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(self.train_loader)
-                                                                                    / cfg.grad_accum)))
-        self.scheduler = build_scheduler(self.optimizer, recipe, self.total_steps)
+        self.plan_schedule()
         accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
         # the loss: next-token (sft) or a preference (the reference of dpo and kto is this model, adapter off)
@@ -299,11 +303,36 @@ class TrainingSession:
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)),
                                           self.tokenizer.pad_token_id)
 
+    def plan_schedule(self) -> None:
+        """The run's steps and its learning-rate schedule over them (a streamed run has no length: it runs
+        training.max_steps)."""
+        cfg = self.cfg
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(self.train_loader)
+                                                                                    / cfg.grad_accum)))
+        self.scheduler = build_scheduler(self.optimizer, self.recipe, self.total_steps)
+
     def check_fit(self) -> None:
-        """training.fit_check: RecipeError before the run directory is written where a step would not fit."""
+        """training.fit_check: RecipeError before the run directory is written where a step would not fit; with
+        training.micro_batch_size auto, the split whose step fit is taken."""
         measured = fit_check.check(self)
         if measured:
             self.summary.fit_check = measured
+        choice = self.resolved.batch_choice
+        if choice is None:
+            return
+        if measured and measured.get("micro_batch_size", choice.micro_batch) != choice.micro_batch:
+            micro = measured["micro_batch_size"]
+            choice = replace(choice, micro_batch=micro, reason=f"the largest split of {choice.batch_size} whose "
+                             f"measured step fit (the estimate's, {choice.micro_batch}, did not)")
+            self.recipe = recipe = batch_split.split(self.recipe, choice.batch_size, micro)
+            self.resolved = replace(self.resolved, recipe=recipe, batch_choice=choice,
+                                    saved=batch_split.split(self.resolved.saved, choice.batch_size, micro))
+            self.cfg = recipe.training
+            self.deal_batches()
+            self.plan_schedule()
+        self.summary.batch_choice = choice.to_json()
+        self.accelerator.print(f"training.micro_batch_size auto: micro-batch {choice.micro_batch} x accumulation "
+                               f"{choice.batch_size // choice.micro_batch} ({choice.reason})")
 
     def prepare(self) -> None:
         """The metrics file, a resumed run's checkpoint loaded, the trackers started."""
