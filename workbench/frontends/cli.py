@@ -639,7 +639,7 @@ def _runs(args) -> int:
 
     rows = compare_rows(list_runs(args.root))
     if not rows:
-        print(f"no runs under {args.root}")
+        print(f"no runs under {escaped(args.root)}")
         return 0
     columns = [c for c in COMPARE_COLUMNS if any(row[c] is not None for row in rows)]  # no empty columns
     table = Table(show_lines=False)
@@ -657,4 +657,4 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return printable(value)  # names and statuses read from each run's files
+    return escaped(value)  # names and statuses read from each run's files: a newline would split the row
