@@ -110,6 +110,22 @@ def test_a_damaged_checkpoint_is_one_clear_error_and_leaves_the_run_as_it_was(tm
     assert {name: (target / name).read_bytes() for name in before} == before
 
 
+@pytest.mark.parametrize("missing", ["model.safetensors", "optimizer.bin"])
+def test_a_checkpoint_missing_an_engine_file_is_one_line_naming_it(tmp_path, missing):
+    """Resumed on the layout that wrote it, a checkpoint loads through accelerate, which named its own fallback
+    (pytorch_model.bin) in a traceback when model.safetensors was gone: refused before the run is touched."""
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=2", "output.save_every=1")
+    target = interrupted_copy(whole, tmp_path / "damaged", 1)
+    (RunDir(target).checkpoint(1) / missing).unlink()
+    before = {name: (target / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+    with pytest.raises(WorkbenchError) as refused:
+        run(target, "training.max_steps=2", "output.save_every=1", resume=True)
+    assert str(refused.value) == (f"--resume: checkpoint {RunDir(target).checkpoint(1)} is damaged ({missing}: "
+                                  "missing); delete it to resume from the one before")
+    assert {name: (target / name).read_bytes() for name in before} == before
+
+
 def test_a_refused_pair_leaves_the_run_as_it_was(tmp_path):
     """Another samples-per-step product is refused before anything is written (the recipe stays the run's)."""
     whole = tmp_path / "whole"

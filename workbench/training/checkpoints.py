@@ -333,6 +333,21 @@ def pickled_files(path: Path) -> list[str]:
     return sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
 
 
+# what accelerate's load_state opens for the one model and optimizer of a single-process or DDP run (it falls back
+# to the .bin weights, and names that when both are missing); FSDP and DeepSpeed write folders their engines read
+ENGINE_FILES = (("model.safetensors", "pytorch_model.bin"), ("optimizer.bin",))
+
+
+def missing_engine_file(path: Path, layout: Layout) -> str | None:
+    """The first file of the engine's own copy that checkpoint `path` lacks for `layout`, or None."""
+    if layout.strategy not in ("single", "ddp"):
+        return None
+    for names in ENGINE_FILES:
+        if not any((path / name).is_file() for name in names):
+            return names[0]
+    return None
+
+
 def _layout_of(plan: CheckpointChoice) -> Layout:
     return Layout.from_json(plan.meta["layout"])
 
@@ -342,7 +357,7 @@ def read_portable(path: Path, model) -> dict:
     this model's shapes."""
     from safetensors import safe_open
 
-    damaged = f"--resume: checkpoint {path} is damaged"
+    damaged = f"--resume: checkpoint {escaped(path)} is damaged"
     portable = _read_json(path, PORTABLE_META, PortableMeta)
     step = _folder_step(path, portable["progress"]["step"])
     _check_progress(path, PORTABLE_META, portable["progress"], step)

@@ -328,6 +328,9 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise checkpoints.damage(path, checkpoints.META, "progress", "missing, and the checkpoint has no portable "
                                  "copy that holds it")
     if same and not pickles and "progress" in meta:
+        missing = checkpoints.missing_engine_file(path, layout)
+        if missing:  # accelerate would name its own fallback file, in a traceback
+            raise checkpoints.damage(path, missing, None, "missing")
         return CheckpointChoice(path, "exact", meta)
     # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
     # moments, schedule, place in the epoch; safetensors and JSON only) continues it

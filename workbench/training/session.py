@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
+from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, escaped, printable
 from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
 from workbench.data.batches import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows
@@ -86,6 +87,8 @@ class TrainingSession:
         # process that writes the run, before there is an accelerator to say which that is
         self.base_files = None
         if os.environ.get("RANK", "0") == "0":
+            if is_builtin(self.recipe.model.path):  # built now rather than as it loads: its files are fingerprinted
+                resolve_builtin(self.recipe.model.path)
             self.base_files = base_fingerprint.stat_digest(self.recipe.model.path)
             s.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
         # before the precision probe times matmuls
