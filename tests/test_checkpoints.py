@@ -492,6 +492,16 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
             r"portable\.json: scheduler\._last_lr: \[0\.3\], where its schedule gives \[.*\] at step 2",
             "training.micro_batch_size=2", "training.grad_accum=4")
     refused("no-run-json", lambda c, r: r.run_json.unlink(), r"run\.json is missing; it records the data")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the checkpoint's")
+
+    def outside(checkpoint, _):  # a record naming a file outside its folder, by name and by link
+        (checkpoint / "linked.bin").symlink_to(secret)
+        _edit(checkpoint, "workbench_checkpoint.json", lambda m: m["files"].update(
+            {"../../../secret.txt": [1, "0" * 64], "linked.bin": [1, "0" * 64]}))
+
+    refused("outside", outside, r"files\.(\.\./\.\./\.\./secret\.txt|linked\.bin): names a file outside the "
+                                r"checkpoint")
     # a skipped step counted where metrics.jsonl, which records each, is gone
     refused("no-metrics", lambda c, r: (r.metrics.unlink(), _edit(c, "workbench_checkpoint.json",
                                                                    lambda m: m["progress"].update(skipped_steps=1))),

@@ -113,8 +113,12 @@ def check_files(path: Path, meta: dict) -> None:
     recorded = meta.get("files")
     if recorded is None:
         return
+    inside = path.resolve()
     for name, (size, sha256) in recorded.items():
         file = path / name
+        # a record names files of its own folder only: nothing outside it is read, through a name or a link
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.resolve().is_relative_to(inside):
+            raise damage(path, META, f"files.{_key(name)}", "names a file outside the checkpoint")
         if not file.is_file():
             raise damage(path, META, f"files.{_key(name)}", "recorded, and missing from the folder")
         if file.stat().st_size != size or manifest_digest(file) != sha256:
