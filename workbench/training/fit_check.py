@@ -23,6 +23,7 @@ import torch
 
 from workbench.base.errors import RecipeError
 from workbench.base.units import format_bytes, parse_bytes
+from workbench.distributed.accelerator import accumulation_boundary
 from workbench.estimator.memory import layout_estimate
 from workbench.hardware.current import StretchPeak, device_total_bytes, is_out_of_memory, release_cached_memory
 from workbench.spec import batch_split
@@ -79,8 +80,8 @@ def measure_step(accelerator, model, optimizer, objective, batch: dict) -> tuple
                 StretchPeak(device) as peak:
             try:
                 totals = accelerator.reduce(objective.counts(model, batch), reduction="sum")
-                accelerator.gradient_state._set_sync_gradients(True)
-                accelerator.backward(objective.loss(model, batch, totals).loss)
+                with accumulation_boundary(accelerator, model, last=True):  # a whole step: gradients synchronised
+                    accelerator.backward(objective.loss(model, batch, totals).loss)
                 # AdamW at rate 0 adds 0 x its update: exact where the update is finite, NaN where the gradients
                 # are not (a batch on_nonfinite: skip would drop); such a step's states are not created
                 if _gradients_finite(accelerator, inner):
