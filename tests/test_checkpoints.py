@@ -113,17 +113,23 @@ def test_a_damaged_checkpoint_is_one_clear_error_and_leaves_the_run_as_it_was(tm
 @pytest.mark.parametrize("missing", ["model.safetensors", "optimizer.bin"])
 def test_a_checkpoint_missing_an_engine_file_is_one_line_naming_it(tmp_path, missing):
     """Resumed on the layout that wrote it, a checkpoint loads through accelerate, which named its own fallback
-    (pytorch_model.bin) in a traceback when model.safetensors was gone: refused before the run is touched."""
+    (pytorch_model.bin) in a traceback when model.safetensors was gone: refused before the run is touched, by
+    its manifest, and where it has none (an earlier version's) by the engine's own files."""
     whole = tmp_path / "whole"
     run(whole, "training.max_steps=2", "output.save_every=1")
-    target = interrupted_copy(whole, tmp_path / "damaged", 1)
-    (RunDir(target).checkpoint(1) / missing).unlink()
-    before = {name: (target / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
-    with pytest.raises(WorkbenchError) as refused:
-        run(target, "training.max_steps=2", "output.save_every=1", resume=True)
-    assert str(refused.value) == (f"--resume: checkpoint {RunDir(target).checkpoint(1)} is damaged ({missing}: "
-                                  "missing); delete it to resume from the one before")
-    assert {name: (target / name).read_bytes() for name in before} == before
+    for manifest in (True, False):
+        target = interrupted_copy(whole, tmp_path / f"damaged-{manifest}", 1)
+        if not manifest:
+            _edit(RunDir(target).checkpoint(1), "workbench_checkpoint.json", lambda meta: meta.pop("files"))
+        (RunDir(target).checkpoint(1) / missing).unlink()
+        before = {name: (target / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+        with pytest.raises(WorkbenchError) as refused:
+            run(target, "training.max_steps=2", "output.save_every=1", resume=True)
+        what = f"workbench_checkpoint.json: files.{missing}: recorded, and missing from the folder" if manifest \
+            else f"{missing}: missing"
+        assert str(refused.value) == (f"--resume: checkpoint {RunDir(target).checkpoint(1)} is damaged ({what}); "
+                                      "delete it to resume from the one before")
+        assert {name: (target / name).read_bytes() for name in before} == before
 
 
 def test_a_refused_pair_leaves_the_run_as_it_was(tmp_path):
@@ -228,10 +234,9 @@ def test_a_pickle_in_a_checkpoint_is_never_loaded(tmp_path, written_by):
                                                  r"would execute; the workbench never writes it"):
             run(target, "training.max_steps=4", "output.save_every=2", resume=True)
     else:  # as an earlier version wrote it: the loop's state in pickles only
-        meta_path = checkpoint / "workbench_checkpoint.json"
-        meta = json.loads(meta_path.read_text())
-        del meta["progress"], meta["scheduler"]
-        meta_path.write_text(json.dumps(meta))
+        # (its record as that version wrote it, without manifest; the run's record of it to match)
+        _edit(checkpoint, "workbench_checkpoint.json",
+              lambda meta: [meta.pop(key) for key in ("progress", "scheduler", "files", "run_id")])
         s = run(target, "training.max_steps=4", "output.save_every=2", resume=True)
         assert s["steps"] == 4 and losses(target) == pytest.approx(losses(whole), rel=1e-5)
     assert not marker.exists()
@@ -249,6 +254,10 @@ def _edit(checkpoint, name: str, change) -> None:
     if name in meta.get("files", {}):
         meta["files"][name] = [path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()]
         meta_path.write_text(json.dumps(meta))
+    run = RunDir(checkpoint.parent.parent)
+    if run.run_json.exists() and "checkpoints" in run.read_json():  # and the run's record of what it published
+        run.update_json(checkpoints={checkpoint.name.removeprefix("step-"):
+                                     hashlib.sha256(meta_path.read_bytes()).hexdigest()})
 
 
 def _both_steps(data, step) -> None:
@@ -481,6 +490,18 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
 
     refused("foreign", foreign, r"was written by another run \(run id [0-9a-f]{12}, where this run's run\.json "
                                 r"records [0-9a-f]{12}\)")
+
+    def foreign_unmarked(checkpoint, run_dir):  # its id and manifest taken out, as an earlier version's would be
+        foreign(checkpoint, run_dir)
+        meta_path = checkpoint / "workbench_checkpoint.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["run_id"], meta["files"]
+        meta_path.write_text(json.dumps(meta))
+
+    refused("foreign-unmarked", foreign_unmarked, r"is not one this run published \(run\.json names another record "
+                                                  r"at step 2")
+    refused("unlisted", lambda c, _: (c / "extra.bin").write_bytes(b"x"),
+            r"files: the folder holds extra\.bin, which the record does not list")
     refused("swapped", lambda c, _: shutil.copy(step_4 / "optimizer.bin", c / "optimizer.bin"),
             r"files\.optimizer\.bin: the file holds other bytes than were written")
     refused("cut-short", lambda c, _: os.truncate(c / "model.safetensors", 100),

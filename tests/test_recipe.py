@@ -42,6 +42,8 @@ def write(tmp_path, text: str) -> Path:
     ("training: {micro_batch_size: auto}", "training: micro_batch_size auto splits training.batch_size"),
     ("training: {micro_batch_size: auto, batch_size: 8, grad_accum: 2}",
      "training: grad_accum 2 beside micro_batch_size auto, which chooses it"),
+    ("training: {micro_batch_size: auto, batch_size: 1000000000000}",
+     "training.batch_size: Input should be less than or equal to 1048576"),
     ("training: {micro_batch_size: 2, grad_accum: 2, batch_size: 8}",
      "training: batch_size 8 is not micro_batch_size x grad_accum (2 x 2 = 4)"),
     ("adapter: {method: lora}\nquantization: {bits: 4}", "quantization: only used with adapter.method: qlora"),

@@ -713,3 +713,11 @@ def test_micro_batch_auto_resumes_with_the_split_its_run_took(tiny_recipe):
     assert train(auto, resume="auto", progress_bar=False).summary == whole.summary
     with pytest.raises(RecipeError, match=r"completed: training\.batch_size: 8 -> 4"):
         train(auto.override("training.batch_size=4"), resume="auto", progress_bar=False)
+    # the run's own recipe edited back to auto: the split it took is no longer known
+    saved = RunDir(crashed.run_dir).recipe
+    saved.write_text(saved.read_text().replace(f"micro_batch_size: {choice['micro_batch_size']}",
+                                               "micro_batch_size: auto").replace(
+        f"grad_accum: {choice['grad_accum']}", "grad_accum: 1"))
+    RunDir(crashed.run_dir).update_json(summary={"status": "running"})
+    with pytest.raises(RecipeError, match=r"the run's own recipe says training\.micro_batch_size: auto"):
+        train(crashed, resume=True, progress_bar=False)

@@ -4,12 +4,15 @@ and then the fit check's (workbench/training/fit_check.py); the recipe the loop 
 
 from __future__ import annotations
 
+import math
+
 from workbench.spec.recipe import Recipe
 
 
 def splits(batch_size: int) -> list[int]:
     """The micro-batches that divide `batch_size`, largest (fewest accumulation steps: the faster step) first."""
-    return [micro for micro in range(batch_size, 0, -1) if batch_size % micro == 0]
+    small = [d for d in range(1, math.isqrt(batch_size) + 1) if batch_size % d == 0]
+    return sorted({*small, *(batch_size // d for d in small)}, reverse=True)
 
 
 def largest_within(batch_size: int, limit: int) -> int:

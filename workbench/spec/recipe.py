@@ -261,6 +261,9 @@ class DataSection(Section):
         return self.packing or FORMATS[self.format].sequences_per_example > 1
 
 
+MOST_SAMPLES_PER_STEP = 1 << 20  # far past any published run's (a few thousand); a larger one is a typo
+
+
 class TrainingSection(Section):
     epochs: float = Field(1, gt=0, description="passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="optimizer steps to run; overrides epochs.")
@@ -270,7 +273,7 @@ class TrainingSection(Section):
                        "training.fit_check's measured step; a resume keeps the split its run took.")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step (chosen with micro_batch_size "
                                                  "auto: leave it at 1).")
-    batch_size: int | None = Field(None, gt=0, description="samples of one optimizer step on each process "
+    batch_size: int | None = Field(None, gt=0, le=MOST_SAMPLES_PER_STEP, description="samples of one optimizer step on each process "
                                                            "(micro_batch_size x grad_accum): what micro_batch_size "
                                                            "auto splits; beside a number, it must equal the product.")
     lr: float = Field(2e-4, gt=0, description="peak learning rate.")

@@ -77,6 +77,9 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
                     "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
                     "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
                     **({"run_id": run_id} if run_id else {}), "files": manifest(staging)})
+                # run.json names each checkpoint it publishes by its record's digest, before it is published: a
+                # checkpoint of a copy of the run, or with its record edited, is then no checkpoint of this run
+                run.update_json(checkpoints={str(progress.step): manifest_digest(staging / META)})
                 run.publish_checkpoint(progress.step, keep_last)
     except Exception:  # a write that failed (a full disk, a file size limit): no half checkpoint stays behind
         if accelerator.is_main_process:
@@ -107,12 +110,34 @@ def manifest(folder: Path) -> dict[str, list]:
             for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)}
 
 
+def check_published(path: Path, step: int, published: dict | None) -> None:
+    """The checkpoint is one this run published: run.json names its record's digest. A run whose run.json names
+    none (an earlier version's) is not checked, nor a checkpoint older than the first it names."""
+    if not published:
+        return
+    if not isinstance(published, dict) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, str)
+                                                   for k, v in published.items()):
+        raise WorkbenchError("--resume: the run's run.json is damaged (checkpoints: expected step numbers naming "
+                             "digests); restore it, or start the run again (--overwrite)")
+    if step < min(int(k) for k in published):
+        return
+    if published.get(str(step)) != manifest_digest(path / META):
+        raise WorkbenchError(f"--resume: checkpoint {escaped(path)} is not one this run published (run.json names "
+                             f"{'another record' if str(step) in published else 'no checkpoint'} at step {step}: "
+                             "a checkpoint copied in from another run, or a copy of this one, or its "
+                             f"{META} edited); delete it to resume from the one before")
+
+
 def check_files(path: Path, meta: dict) -> None:
-    """The checkpoint's files are the ones its meta recorded, byte for byte (a checkpoint that records none was
-    written by an earlier version)."""
+    """The checkpoint's files are the ones its meta recorded, byte for byte, and no other (a checkpoint that
+    records none was written by an earlier version)."""
     recorded = meta.get("files")
     if recorded is None:
         return
+    present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != META}
+    unlisted = sorted(present - set(recorded))
+    if unlisted:
+        raise damage(path, META, "files", f"the folder holds {_key(unlisted[0])}, which the record does not list")
     inside = path.resolve()
     for name, (size, sha256) in recorded.items():
         file = path / name

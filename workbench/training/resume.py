@@ -89,6 +89,7 @@ class ResumePlan:
     recorded: dict = field(default_factory=dict)  # the summary the run recorded so far
     checkpoint: CheckpointChoice | None = None
     limits: "Limits | None" = None  # what the recipe lets a checkpoint's counters reach
+    published: dict | None = None  # run.json's {step: digest of the checkpoint's record} (checkpoints.save)
 
     @classmethod
     def start(cls, recipe: Recipe, run: RunDir, resume: bool, world_size: int) -> tuple[Recipe, "ResumePlan"]:
@@ -101,7 +102,8 @@ class ResumePlan:
             raise RecipeError(f"--resume: {escaped(run.run_json)} is missing; it records the data, chat template "
                               "and base model the checkpoints were trained on, without which a resume cannot "
                               "be checked; restore it, or start the run again (--overwrite)")
-        plan = cls(run, resuming=True, recorded=run.read_json().get("summary", {}))
+        record = run.read_json()
+        plan = cls(run, resuming=True, recorded=record.get("summary", {}), published=record.get("checkpoints"))
         if run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
             recipe, plan.changes, plan.notes = check_resume(recipe, run, world_size)
         elif run.latest_checkpoint() is not None:  # every run saves it before its first checkpoint
@@ -153,8 +155,10 @@ class ResumePlan:
         """The run's latest complete checkpoint, checked to continue as this run; none for a new run."""
         latest = self.run.latest_checkpoint() if self.resuming else None
         if latest is not None:
+            run_id = self.recorded.get("run_id")
             self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups,
-                                     self.limits, run_id=self.recorded.get("run_id"))
+                                     self.limits, run_id=run_id if isinstance(run_id, str) else None,
+                                     published=self.published)
             self._check_skipped_steps()
 
     def _check_skipped_steps(self) -> None:
@@ -224,7 +228,11 @@ def split_as_saved(saved: Recipe, new: Recipe) -> Recipe:
     """training.micro_batch_size auto means: the split of training.batch_size the run took (its own recipe holds
     it as numbers), so that a resume continues it exactly. Another batch_size keeps the run's micro-batch where it
     divides it, and the change is then judged as any change of the step's samples."""
-    if not new.training.micro_batch_auto or saved.training.micro_batch_auto:
+    if saved.training.micro_batch_auto:  # a run saves the split it took, as numbers
+        raise RecipeError("--resume: the run's own recipe says training.micro_batch_size: auto, where the run saved "
+                          "the split it took as numbers (it was edited); restore its micro_batch_size and "
+                          "grad_accum, or start the run again (--overwrite)")
+    if not new.training.micro_batch_auto:
         return new
     micro = saved.training.micro_batch_size
     batch_size = new.training.batch_size
@@ -288,7 +296,7 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
            model, lr_groups: list[tuple[float, float | None]], limits: Limits | None = None,
-           run_id: str | None = None) -> CheckpointChoice:
+           run_id: str | None = None, published: dict | None = None) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
     optimizer's parameter groups, `lr_groups`: (peak rate, scale) each) and that the files it needs are whole; WorkbenchError naming both
     sides otherwise. Reads files only."""
@@ -297,7 +305,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by another run (run id "
                              f"{meta['run_id'][:12]}, where this run's run.json records "
                              f"{(run_id or 'none')[:12]}); only the run's own checkpoints continue it")
-    checkpoints.check_files(path, meta)
+    checkpoints.check_published(path, meta["step"], published)  # (one of a copy of the run, or edited)
     pickles = checkpoints.pickled_files(path)
     if pickles and ("progress" in meta or not meta.get("portable")):
         raise WorkbenchError(
@@ -306,6 +314,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
             + ("the workbench never writes it: the file was put there" if "progress" in meta else
                "it was written by an earlier version and has no portable copy: resume it with that version, or "
                "start the run again (--overwrite)"))
+    checkpoints.check_files(path, meta)
     if "layout" not in meta:  # written before checkpoints recorded their layout (and without a portable copy)
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by an earlier version that recorded no "
                              "layout; start the run again (--overwrite)")
