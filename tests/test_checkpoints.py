@@ -2,7 +2,9 @@
 step, damaged files (one clear error, nothing in the run touched), the samples per step a resume on another process
 count keeps, and which errors count as a peer's failure."""
 
+import hashlib
 import json
+import os
 import re
 import shutil
 from types import SimpleNamespace
@@ -105,6 +107,22 @@ def test_a_damaged_checkpoint_is_one_clear_error_and_leaves_the_run_as_it_was(tm
     with pytest.raises(WorkbenchError, match=r"--resume: checkpoint .*step-2 is damaged.*delete it to resume"):
         run(target, "training.max_steps=4", "output.save_every=2", "training.micro_batch_size=2",
             "training.grad_accum=2", resume=True)
+    assert {name: (target / name).read_bytes() for name in before} == before
+
+
+@pytest.mark.parametrize("missing", ["model.safetensors", "optimizer.bin"])
+def test_a_checkpoint_missing_an_engine_file_is_one_line_naming_it(tmp_path, missing):
+    """Resumed on the layout that wrote it, a checkpoint loads through accelerate, which named its own fallback
+    (pytorch_model.bin) in a traceback when model.safetensors was gone: refused before the run is touched."""
+    whole = tmp_path / "whole"
+    run(whole, "training.max_steps=2", "output.save_every=1")
+    target = interrupted_copy(whole, tmp_path / "damaged", 1)
+    (RunDir(target).checkpoint(1) / missing).unlink()
+    before = {name: (target / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
+    with pytest.raises(WorkbenchError) as refused:
+        run(target, "training.max_steps=2", "output.save_every=1", resume=True)
+    assert str(refused.value) == (f"--resume: checkpoint {RunDir(target).checkpoint(1)} is damaged ({missing}: "
+                                  "missing); delete it to resume from the one before")
     assert {name: (target / name).read_bytes() for name in before} == before
 
 
@@ -220,10 +238,17 @@ def test_a_pickle_in_a_checkpoint_is_never_loaded(tmp_path, written_by):
 
 
 def _edit(checkpoint, name: str, change) -> None:
+    """A tampered record. Where it is covered by the checkpoint's manifest, the manifest is rewritten to match
+    (a tamperer who knows the format): the record's own checks are what is tested."""
     path = checkpoint / name
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data))
+    meta_path = checkpoint / "workbench_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    if name in meta.get("files", {}):
+        meta["files"][name] = [path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()]
+        meta_path.write_text(json.dumps(meta))
 
 
 def _both_steps(data, step) -> None:
@@ -426,3 +451,58 @@ def test_the_scheduler_schema_reads_what_the_loop_saves():
     optimizer.step()
     scheduler.step()
     SchedulerState.model_validate(_json_scheduler(scheduler))
+
+
+def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
+    """A checkpoint copied in from another run, a file swapped in from another step, cut short or gone (the ranks'
+    random states, whose loss the engine only logs), a schedule rate other than its schedule gives, and a run
+    without its run.json: each refused in one line naming it, before anything is written (each trained on
+    silently before: another run's weights, another step's moments, a resume no longer exact, the first step at
+    a rate metrics.jsonl did not log, data and base unchecked)."""
+    steps = ["training.max_steps=4", "output.save_every=2", "output.keep_last=3"]
+    whole, other = tmp_path / "whole", tmp_path / "other"
+    run(whole, *steps)
+    run(other, *steps, "training.seed=7")
+    step_2, step_4 = RunDir(whole).checkpoint(2), RunDir(whole).checkpoint(4)
+    assert {"optimizer.bin", "random_states_0.pkl"} <= {p.name for p in step_2.iterdir()}  # the engine's own
+
+    def refused(case: str, tamper, pattern: str, *overrides: str) -> None:
+        target = interrupted_copy(whole, tmp_path / case, 2)
+        tamper(RunDir(target).checkpoint(2), RunDir(target))
+        before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+        with pytest.raises((WorkbenchError, RecipeError)) as err:
+            run(target, *steps, *overrides, resume=True)
+        assert re.search(pattern, str(err.value)) and "\n" not in str(err.value), (case, str(err.value))
+        assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before, case
+
+    def foreign(checkpoint, _):
+        shutil.rmtree(checkpoint)
+        shutil.copytree(RunDir(other).checkpoint(2), checkpoint)
+
+    refused("foreign", foreign, r"was written by another run \(run id [0-9a-f]{12}, where this run's run\.json "
+                                r"records [0-9a-f]{12}\)")
+    refused("swapped", lambda c, _: shutil.copy(step_4 / "optimizer.bin", c / "optimizer.bin"),
+            r"files\.optimizer\.bin: the file holds other bytes than were written")
+    refused("cut-short", lambda c, _: os.truncate(c / "model.safetensors", 100),
+            r"files\.model\.safetensors: the file holds other bytes than were written \(100 bytes")
+    refused("random-states-gone", lambda c, _: (c / "random_states_0.pkl").unlink(),
+            r"files\.random_states_0\.pkl: recorded, and missing from the folder")
+    # on the portable path (another split), whose first step takes its rates from the schedule's record
+    refused("rate", lambda c, _: _edit(c, "portable.json", lambda m: m["scheduler"].update(_last_lr=[0.3])),
+            r"portable\.json: scheduler\._last_lr: \[0\.3\], where its schedule gives \[.*\] at step 2",
+            "training.micro_batch_size=2", "training.grad_accum=4")
+    refused("no-run-json", lambda c, r: r.run_json.unlink(), r"run\.json is missing; it records the data")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the checkpoint's")
+
+    def outside(checkpoint, _):  # a record naming a file outside its folder, by name and by link
+        (checkpoint / "linked.bin").symlink_to(secret)
+        _edit(checkpoint, "workbench_checkpoint.json", lambda m: m["files"].update(
+            {"../../../secret.txt": [1, "0" * 64], "linked.bin": [1, "0" * 64]}))
+
+    refused("outside", outside, r"files\.(\.\./\.\./\.\./secret\.txt|linked\.bin): names a file outside the "
+                                r"checkpoint")
+    # a skipped step counted where metrics.jsonl, which records each, is gone
+    refused("no-metrics", lambda c, r: (r.metrics.unlink(), _edit(c, "workbench_checkpoint.json",
+                                                                   lambda m: m["progress"].update(skipped_steps=1))),
+            r"progress\.skipped_steps: 1, where metrics\.jsonl, which records each skipped step, is missing")

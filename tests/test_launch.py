@@ -168,6 +168,54 @@ def test_a_zero3_run_always_keeps_the_whole_weights_it_saves_its_adapter_from(tm
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == "auto"
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"zero_optimization": {"stage": "auto"}}', "zero_optimization.stage: must be 0, 1, 2 or 3, got 'auto'"),
+    ('{"zero_optimization": {"stage": "3"}}', "zero_optimization.stage: must be 0, 1, 2 or 3, got '3'"),
+    ('{"zero_optimization": {"stage": true}}', "zero_optimization.stage: must be 0, 1, 2 or 3, got True"),
+    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage: must be 0, 1, 2 or 3, got 4"),
+    ('{"zero_optimization": []}', "zero_optimization: must be an object, got a list"),
+    ('{"zero_optimization": {"offload_param": "cpu"}}', "zero_optimization.offload_param: must be an object"),
+    ('{"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}',
+     "zero_optimization.offload_optimizer.device: must be none, cpu or nvme, got 'gpu'"),
+    ('{"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "false"}}',
+     "zero_optimization.stage3_gather_16bit_weights_on_model_save: must be true or false, got 'false'"),
+    ('[]', "must hold a JSON object, got a list"),
+])
+def test_a_deepspeed_file_s_zero_section_is_read_in_one_place_and_refused_in_one_line(tmp_path, capsys, text,
+                                                                                       message):
+    """The layout, the accelerator's config and `validate` read the same checked section: a stage written as text
+    used to pass the accelerator's ZeRO-3 gather check (stage == 3) while the layout ran ZeRO-3."""
+    from workbench.spec.strategies import layout_of
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    recipe = Recipe.load(RECIPE).override("distributed.strategy=deepspeed", f"distributed.deepspeed.config_file={path}")
+    expected = f"{path}: {message}"
+    for read in (lambda: layout_of(recipe, 2), lambda: deepspeed_config(recipe)):
+        with pytest.raises(RecipeError) as caught:
+            read()
+        assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+    recipe.save(tmp_path / "recipe.yaml")
+    assert main(["validate", str(tmp_path / "recipe.yaml")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {expected}")
+
+
+def test_validate_reads_a_deepspeed_file_and_its_layout(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
+    recipe = Recipe.load(RECIPE).override("distributed.strategy=deepspeed", f"distributed.deepspeed.config_file={path}")
+    recipe.save(tmp_path / "recipe.yaml")
+    assert main(["validate", str(tmp_path / "recipe.yaml")]) == 0
+    path.write_text('{"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": false}}')
+    assert main(["validate", str(tmp_path / "recipe.yaml")]) == 2
+    assert "stage3_gather_fp16_weights_on_model_save false" in capsys.readouterr().err
+    # the old name of the gather setting is replaced, not doubled (DeepSpeed refuses a file with both)
+    path.write_text('{"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": true}}')
+    zero = deepspeed_config(recipe)["zero_optimization"]
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert "stage3_gather_fp16_weights_on_model_save" not in zero
+
+
 def test_hybrid_shard_needs_several_machines_of_several_processes(monkeypatch):
     recipe = Recipe.load(RECIPE).override("distributed.fsdp.sharding=hybrid")
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -3,6 +3,7 @@ checked, resume only continues the same run, adapters written whole. Each test r
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,32 @@ def test_a_run_on_a_base_model_rewritten_in_place_is_neither_done_nor_resumed(ti
     run.update_json(summary={"status": "running"})
     kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     with pytest.raises(WorkbenchError, match=r"^--resume: the base model in model\.path \(.*base\) changed since"):
+        train(recipe, resume=True, progress_bar=False)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept
+
+
+def test_a_run_on_a_builtin_model_whose_cached_files_were_rewritten_is_neither_resumed_nor_done(tiny_recipe,
+                                                                                               tmp_path, monkeypatch):
+    """A builtin model is an ordinary folder under the cache once built, and a file there can be rewritten like any
+    other: the run builds it before it fingerprints it, and a resume (or `--resume auto` of the completed run) on
+    other bytes is refused naming model.path. Looking at a model not built yet builds nothing."""
+    from workbench.model import base_fingerprint
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(cache))
+    assert base_fingerprint.fingerprint("builtin:tiny") is None and not (cache / "models").exists()
+    recipe = tiny_recipe.override("model.path=builtin:tiny", "training.max_steps=2", "output.save_every=1")
+    done = train(recipe, progress_bar=False)
+    run = RunDir(done.run_dir)
+    assert run.read_json()["summary"]["base_model"]["content"]
+    _rewrite_a_weight_in_place(cache / "models" / "tiny-v1")
+    with pytest.raises(RecipeError, match=r"completed: model\.path: the base model's files in builtin:tiny"):
+        train(recipe, resume="auto", progress_bar=False)
+    shutil.rmtree(run.checkpoint(2))  # as a crash after step 1's checkpoint leaves it
+    shutil.rmtree(run.adapter)
+    run.update_json(summary={"status": "running"})
+    kept = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    with pytest.raises(WorkbenchError, match=r"^--resume: the base model in model\.path \(builtin:tiny\) changed"):
         train(recipe, resume=True, progress_bar=False)
     assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == kept
 

@@ -62,3 +62,31 @@ def test_the_runs_table_shows_a_run_files_escape_sequences_escaped(tmp_path, cap
     assert main(["runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "pwned" in out and not any(c in out for c in "\x1b\x07\r\x9b"), out
+
+
+def test_the_runs_command_and_a_run_record_keep_a_folder_name_on_its_line(tmp_path, capsys):
+    """A newline in output.dir used to split a row of the runs table and the "unreadable" error, and an escape
+    sequence in the folder `workbench runs` was given reached the terminal raw."""
+    import json
+
+    import pytest
+
+    from workbench import Recipe
+    from workbench.base.errors import WorkbenchError
+    from workbench.frontends.cli import main
+    from workbench.rundir.runs import RunDir
+
+    run = tmp_path / "runs" / "ti\nny"
+    run.mkdir(parents=True)
+    Recipe.load("recipes/tiny.yaml").save(run / "recipe.yaml")
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": {"status": "completed", "steps": 1}}))
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "ti\\x0any" in out and not any(line.strip("│ ").startswith("ny") for line in out.splitlines()), out
+    (run / "run.json").write_text("{not json")
+    with pytest.raises(WorkbenchError) as unreadable:
+        RunDir(run).read_json()
+    assert str(unreadable.value).startswith(f"{tmp_path}/runs/ti\\x0any/run.json: unreadable (")
+    assert "\n" not in str(unreadable.value)
+    assert main(["runs", str(tmp_path / "\x1b[2Jnothing")]) == 0
+    assert capsys.readouterr().out == f"no runs under {tmp_path}/\\x1b[2Jnothing\n"

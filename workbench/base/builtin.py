@@ -55,10 +55,28 @@ def resolve_builtin(path: str) -> Path:
     return built_once(version, build)
 
 
+def built_folder(path: str) -> Path | None:
+    """The cached folder of a builtin model where it has been built already; None where it has not (or the name is
+    unknown). Builds nothing: for callers that only look."""
+    name = path.removeprefix(BUILTIN_PREFIX)
+    if name not in _BUILDERS:
+        return None
+    target = _model_folder(_BUILDERS[name][0])
+    return target if _is_built(target) else None
+
+
+def _model_folder(folder: str) -> Path:
+    return cache_dir() / "models" / folder
+
+
+def _is_built(target: Path) -> bool:
+    return (target / "config.json").exists()  # written inside the staging folder, renamed in whole
+
+
 def built_once(folder: str, build) -> Path:
     """cache/models/<folder>, made by `build(staging_folder)` the first time and renamed into place."""
-    target = cache_dir() / "models" / folder
-    if (target / "config.json").exists():
+    target = _model_folder(folder)
+    if _is_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=target.parent))
@@ -67,7 +85,7 @@ def built_once(folder: str, build) -> Path:
         try:
             os.rename(staging, target)  # atomic: a concurrent builder's copy may already be there
         except OSError:
-            if not (target / "config.json").exists():
+            if not _is_built(target):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -16,13 +16,13 @@ from types import MethodType
 
 import torch
 
-from workbench.base.errors import RecipeError, WorkbenchError, escaped
+from workbench.base.errors import RecipeError, WorkbenchError
 from workbench.distributed.trackers import tensorboard_dir
 from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
                                         world_size_from_env)
 from workbench.model.tensor_parallel import whole_tensors
 from workbench.spec.recipe import Recipe
-from workbench.spec.strategies import Layout, read_deepspeed_file
+from workbench.spec.strategies import GATHER_KEYS, Layout, read_deepspeed_file
 
 # where launchers put the world size: torchrun (and accelerate launch --multi_gpu), then MPI flavours
 def check_process_count() -> None:
@@ -236,14 +236,7 @@ def deepspeed_config(recipe: Recipe) -> dict:
     ds = recipe.distributed.deepspeed
     training = recipe.training
     if ds.config_file:
-        config = read_deepspeed_file(ds.config_file)
-        zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-        if zero.get("stage") == 3:  # the adapter is saved from 16-bit weights gathered from every process
-            if zero.get("stage3_gather_16bit_weights_on_model_save") is False:
-                raise RecipeError(f"distributed.deepspeed.config_file: {escaped(ds.config_file)} sets "
-                                  "zero_optimization.stage3_gather_16bit_weights_on_model_save false; ZeRO-3 runs "
-                                  "save their adapter from the gathered 16-bit weights: set it true or leave it out")
-            config = {**config, "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True}}
+        config = _user_deepspeed_config(ds.config_file)
     else:
         # bucket sizes from the model's width (accelerate fills `auto` as the Trainer does): DeepSpeed's own
         # defaults hold 5e8 elements of gradients in one buffer, a gigabyte in 16 bits whatever the model
@@ -271,6 +264,16 @@ def deepspeed_config(recipe: Recipe) -> dict:
         config[key] = value
     config.pop("train_batch_size", None)
     return config
+
+
+def _user_deepspeed_config(path) -> dict:
+    """The user's DeepSpeed JSON; under ZeRO-3 it always gathers the 16-bit weights the adapter is saved from (the
+    reader has refused a file that turns that off)."""
+    file = read_deepspeed_file(path)
+    if file.zero.stage != 3:
+        return file.config
+    zero = {key: value for key, value in file.config["zero_optimization"].items() if key not in GATHER_KEYS}
+    return {**file.config, "zero_optimization": {**zero, GATHER_KEYS[0]: True}}
 
 
 def fsdp_plugin(recipe: Recipe):

@@ -436,6 +436,7 @@ def _slurm(args) -> int:
 
 def _validate(args) -> int:
     recipe = _load_recipe(args)
+    _check_deepspeed_file(recipe)
     if args.preflight:
         from workbench.model.loading import load_config, load_tokenizer
         from workbench.training.preflight import preflight
@@ -445,6 +446,19 @@ def _validate(args) -> int:
     print(printable(f"{args.recipe}: ok (name {recipe.name}, method {recipe.adapter.method}, "
                     f"model {recipe.model.path})"))
     return 0
+
+
+def _check_deepspeed_file(recipe) -> None:
+    """Loading a recipe leaves its DeepSpeed JSON to the launch; validate reads it now, with the layout rules on the
+    layout the file describes, so its mistakes show before any process starts."""
+    from workbench.spec.strategies import layout_of, layout_problem
+
+    dist = recipe.distributed
+    if dist.strategy != "deepspeed" or not dist.deepspeed.config_file:
+        return
+    problem = layout_problem(recipe, layout_of(recipe, world_size=2))
+    if problem:
+        raise RecipeError(problem)
 
 
 def _show(args) -> int:
@@ -625,7 +639,7 @@ def _runs(args) -> int:
 
     rows = compare_rows(list_runs(args.root))
     if not rows:
-        print(f"no runs under {args.root}")
+        print(f"no runs under {escaped(args.root)}")
         return 0
     columns = [c for c in COMPARE_COLUMNS if any(row[c] is not None for row in rows)]  # no empty columns
     table = Table(show_lines=False)
@@ -643,4 +657,4 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return printable(value)  # names and statuses read from each run's files
+    return escaped(value)  # names and statuses read from each run's files: a newline would split the row

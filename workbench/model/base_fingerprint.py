@@ -11,8 +11,9 @@ the same tick of the clock would keep them). Files are hashed on several threads
 interpreter lock). The run takes the fingerprint before it loads the model and checks it after: a folder written
 while the run loaded it is refused.
 
-Hub ids (pinned by model.revision and held by the hub's own cache) and builtin models (versioned by name) are not
-folders a user edits: they have no fingerprint.
+A builtin model is the folder it was built into under the cache (a file there can be rewritten like any other);
+one not built yet has no fingerprint, and looking builds nothing (the run builds it before it fingerprints it).
+Hub ids (pinned by model.revision and held by the hub's own cache) have none.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from workbench.base.builtin import cache_dir, is_builtin
+from workbench.base.builtin import built_folder, cache_dir, is_builtin
 
 CHUNK = 8 * 1024 * 1024
 RACY_SECONDS = 3.0
 
 
-
 def local_folder(path: str) -> Path | None:
-    """The folder model.path names, where it is one."""
+    """The folder model.path names, where it is one (a builtin model's, once built)."""
     if is_builtin(path):
-        return None
+        return built_folder(path)
     folder = Path(path).expanduser()
     return folder if folder.is_dir() else None
 

@@ -28,6 +28,7 @@ class RunSummary:
     warnings: list = field(default_factory=list)
     resume_changes: list | None = None  # every resume that changed the recipe, oldest first
     owner: dict | None = None  # {host, pid, started}: the process writing the run (runs.owner_gone reads it)
+    run_id: str | None = None  # the run's own id, which its checkpoints carry (training/checkpoints.py)
 
     # -- once data and model are ready --------------------------------------------------------------------------
     world_size: int | None = None
@@ -75,6 +76,8 @@ class RunSummary:
                  "threads": self.threads, "threads_reason": self.threads_reason, "warnings": self.warnings}
         if self.owner is not None:
             start["owner"] = self.owner
+        if self.run_id is not None:
+            start["run_id"] = self.run_id
         if self.resume_changes is not None:
             start["resume_changes"] = self.resume_changes
         return start

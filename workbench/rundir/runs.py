@@ -135,13 +135,13 @@ class RunDir:
         except (OSError, ValueError) as err:
             self.release()
             if not isinstance(err, FileNotFoundError):
-                raise WorkbenchError(f"{self.run_json}: unreadable ({err})") from None
-            raise WorkbenchError(f"{self.run_json}: not a workbench run record (missing); only a run the workbench "
+                raise WorkbenchError(f"{escaped(self.run_json)}: unreadable ({escaped(err)})") from None
+            raise WorkbenchError(f"{escaped(self.run_json)}: not a workbench run record (missing); only a run the workbench "
                                  "wrote is continued or replaced: move the folder's files or choose another "
                                  "output.dir") from None
         if not is_run_record(data):
             self.release()
-            raise WorkbenchError(f"{self.run_json}: not a workbench run record (no summary with a status and env); "
+            raise WorkbenchError(f"{escaped(self.run_json)}: not a workbench run record (no summary with a status and env); "
                                  "only a run the workbench wrote is continued or replaced: move the folder's files "
                                  "or choose another output.dir")
 
@@ -253,9 +253,9 @@ class RunDir:
         try:
             data = json.loads(self.run_json.read_text())
         except (OSError, ValueError) as err:
-            raise WorkbenchError(f"{self.run_json}: unreadable ({err})") from None
+            raise WorkbenchError(f"{escaped(self.run_json)}: unreadable ({escaped(err)})") from None
         if not isinstance(data, dict) or not isinstance(data.get("summary", {}), dict):
-            raise WorkbenchError(f"{self.run_json}: not a run record (expected a mapping with a summary mapping)")
+            raise WorkbenchError(f"{escaped(self.run_json)}: not a run record (expected a mapping with a summary mapping)")
         return data
 
     def update_json(self, **sections: Any) -> None:
@@ -497,7 +497,7 @@ def list_runs(root: str | Path = "runs") -> list[Run]:
     if not root.exists():
         return []
     if not root.is_dir():
-        raise WorkbenchError(f"{root}: not a folder of runs")
+        raise WorkbenchError(f"{escaped(root)}: not a folder of runs")
     runs = []
     for child in sorted(root.iterdir()):
         if (child / "run.json").exists():

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workbench.base.errors import RecipeError
+from workbench.base.errors import RecipeError, escaped
 from workbench.spec import adapter_init
 
 if TYPE_CHECKING:
@@ -180,10 +180,8 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
         ds = dist.deepspeed
         stage, offload_optimizer, offload_params = ds.stage, ds.offload_optimizer == "cpu", ds.offload_params == "cpu"
         if ds.config_file:  # the user's own DeepSpeed JSON decides what each process holds
-            zero = read_deepspeed_file(ds.config_file).get("zero_optimization", {})
-            stage = int(zero.get("stage", 0))
-            offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-            offload_params = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+            zero = read_deepspeed_file(ds.config_file).zero
+            stage, offload_optimizer, offload_params = zero.stage, zero.offloads_optimizer, zero.offloads_params
         return Layout("deepspeed", stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
     if dist.strategy == "fsdp":
         return Layout("fsdp", hybrid=dist.fsdp.sharding == "hybrid", offload_params=dist.fsdp.cpu_offload)
@@ -255,10 +253,92 @@ def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
     return None
 
 
-def read_deepspeed_file(path) -> dict:
-    """A DeepSpeed config_file's JSON, or one error that names the field and the file."""
+@dataclass(frozen=True)
+class ZeroSettings:
+    """A DeepSpeed file's zero_optimization section, checked: what the layout and the accelerator act on."""
+    stage: int = 0  # DeepSpeed's default when the section leaves it out
+    offload_optimizer: str = "none"  # none, cpu or nvme
+    offload_params: str = "none"
+    gathers_16bit_weights: bool | None = None  # None: the file leaves it to us
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_params != "none"
+
+
+@dataclass(frozen=True)
+class DeepSpeedFile:
+    config: dict  # the whole JSON, as written
+    zero: ZeroSettings
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed still reads the old name, and refuses a file that gives both
+GATHER_KEYS = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+
+
+def read_deepspeed_file(path) -> DeepSpeedFile:
+    """A DeepSpeed config_file's JSON and its ZeRO settings, or one error that names the file and the field."""
     try:
         with open(path) as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as err:
-        raise RecipeError(f"distributed.deepspeed.config_file: cannot read {path}: {err}") from None
+            config = json.load(handle)
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, or a NUL byte in the path
+        raise RecipeError(f"distributed.deepspeed.config_file: cannot read {escaped(path)}: "
+                          f"{getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"{escaped(path)}: must hold a JSON object, got {_json_kind(config)}")
+    return DeepSpeedFile(config, _zero_settings(config.get("zero_optimization"), path))
+
+
+def _zero_settings(section, path) -> ZeroSettings:
+    if section is None:
+        return ZeroSettings()
+    if not isinstance(section, dict):
+        raise RecipeError(f"{escaped(path)}: zero_optimization: must be an object, got {_json_kind(section)}")
+    stage = section.get("stage", 0)
+    if type(stage) is not int or stage not in ZERO_STAGES:  # not "3": the accelerator compares numbers
+        raise RecipeError(f"{escaped(path)}: zero_optimization.stage: must be 0, 1, 2 or 3, got {stage!r}")
+    gathers = _gather_setting(section, path)
+    if stage == 3 and gathers is False:
+        raise RecipeError(f"distributed.deepspeed.config_file: {escaped(path)} sets zero_optimization."
+                          f"{next(key for key in GATHER_KEYS if key in section)} false; ZeRO-3 runs save their "
+                          "adapter from the gathered 16-bit weights: set it true or leave it out")
+    return ZeroSettings(stage, _offload_device(section, "offload_optimizer", path),
+                        _offload_device(section, "offload_param", path), gathers)
+
+
+def _offload_device(section: dict, key: str, path) -> str:
+    offload = section.get(key)
+    if offload is None:
+        return "none"
+    if not isinstance(offload, dict):
+        raise RecipeError(f"{escaped(path)}: zero_optimization.{key}: must be an object, got {_json_kind(offload)}")
+    device = offload.get("device", "none")
+    if device is None:
+        return "none"
+    if device not in OFFLOAD_DEVICES:
+        raise RecipeError(f"{escaped(path)}: zero_optimization.{key}.device: must be none, cpu or nvme, "
+                          f"got {device!r}")
+    return device
+
+
+def _gather_setting(section: dict, path) -> bool | None:
+    for key in GATHER_KEYS:
+        value = section.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise RecipeError(f"{escaped(path)}: zero_optimization.{key}: must be true or false, got {value!r}")
+    if all(key in section for key in GATHER_KEYS):
+        raise RecipeError(f"{escaped(path)}: zero_optimization: sets both {' and '.join(GATHER_KEYS)}; keep "
+                          f"{GATHER_KEYS[0]}")
+    return next((section[key] for key in GATHER_KEYS if section.get(key) is not None), None)
+
+
+def _json_kind(value) -> str:
+    """The JSON name of a value's type, as the user wrote it."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(
+        type(value), "a number")

@@ -21,6 +21,7 @@ such pickles (earlier versions wrote them; one planted in a workspace the UI ser
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -50,9 +51,10 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdi
 
 
 def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, progress, batch: tuple[int, int],
-         keep_last: int) -> None:
+         keep_last: int, run_id: str | None = None) -> None:
     """The full training state, staged under a temporary name and renamed into place when complete.
-    batch: (micro_batch_size, grad_accum) of this run."""
+    batch: (micro_batch_size, grad_accum) of this run; run_id: the run's own (run.json), which the checkpoint
+    carries so that no other run's checkpoint continues this one."""
     micro_batch, grad_accum = batch
     staging = run.staging_checkpoint(progress.step)
     target = run.checkpoint(progress.step)  # what a failed write names (a full disk: one line, not a traceback)
@@ -73,7 +75,8 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
                 write_json_atomic(staging / META, {
                     "step": progress.step, "layout": layout.to_json(), "world_size": accelerator.num_processes,
                     "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
-                    "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler)})
+                    "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
+                    **({"run_id": run_id} if run_id else {}), "files": manifest(staging)})
                 run.publish_checkpoint(progress.step, keep_last)
     except Exception:  # a write that failed (a full disk, a file size limit): no half checkpoint stays behind
         if accelerator.is_main_process:
@@ -91,6 +94,44 @@ def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progr
     else:
         _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
     return plan.how
+
+
+# -- what ties a checkpoint's files together -------------------------------------------------------------
+
+
+def manifest(folder: Path) -> dict[str, list]:
+    """{file: [bytes, sha256]} of every file in a checkpoint but its meta, taken when all of them are written:
+    a file swapped in from another step or run, cut short, or gone (the ranks' random states, whose loss
+    Accelerate only logs) is then damage that the resume names, not a run that silently trains on."""
+    return {file.relative_to(folder).as_posix(): [file.stat().st_size, manifest_digest(file)]
+            for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)}
+
+
+def check_files(path: Path, meta: dict) -> None:
+    """The checkpoint's files are the ones its meta recorded, byte for byte (a checkpoint that records none was
+    written by an earlier version)."""
+    recorded = meta.get("files")
+    if recorded is None:
+        return
+    inside = path.resolve()
+    for name, (size, sha256) in recorded.items():
+        file = path / name
+        # a record names files of its own folder only: nothing outside it is read, through a name or a link
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.resolve().is_relative_to(inside):
+            raise damage(path, META, f"files.{_key(name)}", "names a file outside the checkpoint")
+        if not file.is_file():
+            raise damage(path, META, f"files.{_key(name)}", "recorded, and missing from the folder")
+        if file.stat().st_size != size or manifest_digest(file) != sha256:
+            raise damage(path, META, f"files.{_key(name)}", f"the file holds other bytes than were written "
+                         f"({file.stat().st_size} bytes, recorded {size})")
+
+
+def manifest_digest(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_meta(path: Path) -> dict:
@@ -277,6 +318,9 @@ class CheckpointMeta(_Written):
     portable: bool = False
     progress: ProgressState | None = None
     scheduler: SchedulerState | None = None
+    run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None  # the run that wrote it (run.json's)
+    files: dict[str, Annotated[tuple[Count, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]],
+                               Field(strict=False)]] | None = None  # manifest(): [bytes, sha256] each
 
 
 class PortableMeta(_Written):
@@ -293,6 +337,21 @@ def pickled_files(path: Path) -> list[str]:
     return sorted(f.name for f in path.glob("custom_checkpoint_*.pkl"))
 
 
+# what accelerate's load_state opens for the one model and optimizer of a single-process or DDP run (it falls back
+# to the .bin weights, and names that when both are missing); FSDP and DeepSpeed write folders their engines read
+ENGINE_FILES = (("model.safetensors", "pytorch_model.bin"), ("optimizer.bin",))
+
+
+def missing_engine_file(path: Path, layout: Layout) -> str | None:
+    """The first file of the engine's own copy that checkpoint `path` lacks for `layout`, or None."""
+    if layout.strategy not in ("single", "ddp"):
+        return None
+    for names in ENGINE_FILES:
+        if not any((path / name).is_file() for name in names):
+            return names[0]
+    return None
+
+
 def _layout_of(plan: CheckpointChoice) -> Layout:
     return Layout.from_json(plan.meta["layout"])
 
@@ -302,7 +361,7 @@ def read_portable(path: Path, model) -> dict:
     this model's shapes."""
     from safetensors import safe_open
 
-    damaged = f"--resume: checkpoint {path} is damaged"
+    damaged = f"--resume: checkpoint {escaped(path)} is damaged"
     portable = _read_json(path, PORTABLE_META, PortableMeta)
     step = _folder_step(path, portable["progress"]["step"])
     _check_progress(path, PORTABLE_META, portable["progress"], step)
@@ -418,8 +477,29 @@ def _json_scheduler(scheduler) -> dict:
     return {k: v for k, v in state.items() if k != "lr_lambdas"}
 
 
+def check_schedule(plan: CheckpointChoice, scheduler) -> None:
+    """The rates the chosen copy's schedule records are what its own warmup and decay give at its step (the
+    portable path's first step trains at them, and metrics.jsonl would log others). Before the run directory is
+    written: `scheduler` is this run's, built for its steps."""
+    name, state = (PORTABLE_META, plan.portable["scheduler"]) if plan.how == "portable" else \
+        (META, plan.meta["scheduler"])
+    rates = _rates_at(scheduler, state["base_lrs"], state["last_epoch"])
+    recorded = state.get("_last_lr")
+    if recorded is not None and (len(recorded) != len(rates) or any(
+            not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(recorded, rates))):
+        raise damage(plan.path, name, "scheduler._last_lr", f"{_SHORT.repr(recorded)}, where its schedule gives "
+                     f"{_SHORT.repr([float(f'{r:.6g}') for r in rates])} at step {state['last_epoch']}")
+
+
+def _rates_at(scheduler, base_lrs: list[float], step: int) -> list[float]:
+    return [base * rule(step) for base, rule in zip(base_lrs, scheduler.lr_lambdas)]
+
+
 def _load_schedule(scheduler, state: dict) -> None:
+    """The schedule's state, its rates those its own warmup and decay give at its step (check_schedule compared
+    them with the recorded ones)."""
     scheduler.load_state_dict({"lr_lambdas": [None] * len(scheduler.lr_lambdas), **state})
+    scheduler._last_lr = _rates_at(scheduler, scheduler.base_lrs, scheduler.last_epoch)
 
 
 def _pause_for_crash_tests(step: int) -> None:

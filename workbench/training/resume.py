@@ -96,6 +96,11 @@ class ResumePlan:
         Reads files only; RecipeError listing every refused recipe change."""
         if not resume:
             return recipe, cls(run)
+        if not run.run_json.exists() and run.latest_checkpoint() is not None:
+            # what the run recorded (its data's and template's hashes, its base model) checks what it resumes on
+            raise RecipeError(f"--resume: {escaped(run.run_json)} is missing; it records the data, chat template "
+                              "and base model the checkpoints were trained on, without which a resume cannot "
+                              "be checked; restore it, or start the run again (--overwrite)")
         plan = cls(run, resuming=True, recorded=run.read_json().get("summary", {}))
         if run.recipe.exists():  # the run's own recipe says what may change (and what `auto` meant)
             recipe, plan.changes, plan.notes = check_resume(recipe, run, world_size)
@@ -149,7 +154,7 @@ class ResumePlan:
         latest = self.run.latest_checkpoint() if self.resuming else None
         if latest is not None:
             self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups,
-                                     self.limits)
+                                     self.limits, run_id=self.recorded.get("run_id"))
             self._check_skipped_steps()
 
     def _check_skipped_steps(self) -> None:
@@ -158,9 +163,15 @@ class ResumePlan:
         and the run's limit on skips."""
         choice = self.checkpoint
         progress = (choice.portable or {}).get("progress") or choice.meta.get("progress")
-        if progress is None or not self.run.metrics.exists():
+        if progress is None:
             return
         step, counted = progress["step"], progress.get("skipped_steps", 0)
+        if not self.run.metrics.exists():
+            if counted:  # nothing left to check the count against
+                raise checkpoints.damage(choice.path, checkpoints.PORTABLE_META if choice.portable else
+                                         checkpoints.META, "progress.skipped_steps", f"{counted}, where "
+                                         "metrics.jsonl, which records each skipped step, is missing")
+            return
         seen = sum(1 for row in read_metrics(self.run.metrics)
                    if row.get("skipped") and isinstance(row.get("step"), int) and row["step"] <= step)
         if seen != counted:
@@ -276,11 +287,17 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
-           model, lr_groups: list[tuple[float, float | None]], limits: Limits | None = None) -> CheckpointChoice:
+           model, lr_groups: list[tuple[float, float | None]], limits: Limits | None = None,
+           run_id: str | None = None) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
     optimizer's parameter groups, `lr_groups`: (peak rate, scale) each) and that the files it needs are whole; WorkbenchError naming both
     sides otherwise. Reads files only."""
     meta = checkpoints.read_meta(path)
+    if meta.get("run_id") and meta["run_id"] != run_id:  # a checkpoint copied in from another run
+        raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by another run (run id "
+                             f"{meta['run_id'][:12]}, where this run's run.json records "
+                             f"{(run_id or 'none')[:12]}); only the run's own checkpoints continue it")
+    checkpoints.check_files(path, meta)
     pickles = checkpoints.pickled_files(path)
     if pickles and ("progress" in meta or not meta.get("portable")):
         raise WorkbenchError(
@@ -311,6 +328,9 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise checkpoints.damage(path, checkpoints.META, "progress", "missing, and the checkpoint has no portable "
                                  "copy that holds it")
     if same and not pickles and "progress" in meta:
+        missing = checkpoints.missing_engine_file(path, layout)
+        if missing:  # accelerate would name its own fallback file, in a traceback
+            raise checkpoints.damage(path, missing, None, "missing")
         return CheckpointChoice(path, "exact", meta)
     # another layout, or an earlier version's checkpoint whose pickles stay unread: the portable copy (weights,
     # moments, schedule, place in the epoch; safetensors and JSON only) continues it

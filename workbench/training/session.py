@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
+from workbench.base.builtin import is_builtin, resolve_builtin
 from workbench.base.errors import Interrupted, NonFiniteError, RecipeError, WorkbenchError, escaped, printable
 from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
 from workbench.data.batches import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows
@@ -86,6 +88,8 @@ class TrainingSession:
         # process that writes the run, before there is an accelerator to say which that is
         self.base_files = None
         if os.environ.get("RANK", "0") == "0":
+            if is_builtin(self.recipe.model.path):  # built now rather than as it loads: its files are fingerprinted
+                resolve_builtin(self.recipe.model.path)
             self.base_files = base_fingerprint.stat_digest(self.recipe.model.path)
             s.base_model = base_fingerprint.fingerprint(self.recipe.model.path)
         # before the precision probe times matmuls
@@ -287,6 +291,9 @@ class TrainingSession:
                 save_file(self.eva_components, str(run.path / adapter_init.EVA_FILE))
             if self.resolved.resume.changes:
                 self.summary.resume_changes = self.resolved.resume.history()
+            # the id its checkpoints carry (a run from before ids gets one now; its older checkpoints carry none)
+            self.summary.run_id = (self.resolved.resume.recorded.get("run_id") if self.resume else None) or \
+                uuid.uuid4().hex
             self.summary.owner = process_owner()
             run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
         self.accelerator.wait_for_everyone()
@@ -297,6 +304,8 @@ class TrainingSession:
         recipe, accelerator = self.recipe, self.accelerator
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         self.plan_schedule()
+        if self.resolved.resume.checkpoint is not None:  # its schedule's record, against this run's schedule
+            checkpoints.check_schedule(self.resolved.resume.checkpoint, self.scheduler)
         accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
         # the loss: next-token (sft) or a preference (the reference of dpo and kto is this model, adapter off)
@@ -535,7 +544,8 @@ class TrainingSession:
             state.window = _window_totals(accelerator, self.window_sums, self.window_tokens, self.window_start)
             with patience(recipe.distributed.startup_timeout_s, then=recipe.distributed.timeout_s):
                 checkpoints.save(accelerator, self.run_dir, self.layout, self.model, self.optimizer, self.scheduler,
-                                 state, (cfg.micro_batch_size, cfg.grad_accum), recipe.output.keep_last)
+                                 state, (cfg.micro_batch_size, cfg.grad_accum), recipe.output.keep_last,
+                                 self.summary.run_id)
         if signum:
             self.bar.close()
             raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {state.step}; checkpoint "
