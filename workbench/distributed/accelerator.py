@@ -173,10 +173,11 @@ def full_state_dict(accelerator, model) -> dict:
     """accelerator.get_state_dict (whole weights on the main process); a model no engine shards holds them itself,
     and asking Accelerate would import DeepSpeed (see `unwrap`). Tensor-parallel slices are gathered whole on every
     process (every process calls this)."""
+    if batch_replicas(accelerator) > 1:
+        return whole_tensors(unwrap(accelerator, model).state_dict())
     if "deepspeed" in sys.modules or accelerator.is_fsdp2:
         return accelerator.get_state_dict(model)
-    state = unwrap(accelerator, model).state_dict()
-    return whole_tensors(state) if batch_replicas(accelerator) > 1 else state
+    return unwrap(accelerator, model).state_dict()
 
 
 def clip_gradients(accelerator, model, max_norm: float) -> torch.Tensor:

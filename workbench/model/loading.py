@@ -216,11 +216,14 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
     )
     if adapter_init.of(recipe).before_adapter:
         adapter_init.preprocess_corda(model, config, calibration)
+    drawn_from = torch.get_rng_state()  # what peft's initialisation draws from
     try:
         model = get_peft_model(model, config)
     except ValueError as err:
         raise ModelError(f"adapter.target_modules: {err}") from None
-    tensor_parallel.global_lora_features(model)  # (a model not split: nothing to set)
+    if tensor_parallel.is_split(model):
+        tensor_parallel.global_lora_features(model)
+        tensor_parallel.draw_as_one_process(model, drawn_from, config.init_lora_weights)
     # peft makes LoRA weights float32 but copies a modules_to_save module in the base's dtype: AdamW on 16-bit
     # weights loses small updates. Under autocast a float32 copy computes in 16 bit like the rest (without
     # it, a float32 copy between 16-bit layers could not run: pure 16-bit training stays as asked).

@@ -41,3 +41,48 @@ def whole_tensors(state: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
+def is_split(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def lora_layers(model) -> list:
+    """The LoRA layers in the order peft created (and initialised) them: the model's module order."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    return [module for _, module in model.named_modules() if isinstance(module, LoraLayer) and module.lora_A]
+
+
+def draw_as_one_process(model, drawn_from: torch.Tensor, init) -> None:
+    """The LoRA factors one process would have drawn: peft initialises each factor of a split layer on its slice
+    (another size, so other numbers from the random stream, and A's bound from the slice's fan-in), so the same
+    recipe would start from another adapter than on one process. Here peft's draws are repeated on the whole
+    shapes, from the random state peft started from and in its order (nn.Linear's own draws for A and B, then
+    A's initialisation), and each process keeps its slice; the random state is left where one process's would
+    be. tests/test_tensor_parallel.py checks the repetition against peft's own draws in one process."""
+    import math
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if init not in (True, "gaussian"):
+        raise ValueError(f"LoRA init {init!r} is not repeated for tensor parallel")
+    torch.set_rng_state(drawn_from)
+    for layer in lora_layers(model):
+        for name in layer.lora_A:
+            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            (rank, fan_in), (fan_out, _) = a.shape, b.shape  # DTensor shapes are the whole ones
+            torch.nn.init.kaiming_uniform_(torch.empty(rank, fan_in), a=math.sqrt(5))  # nn.Linear(in, r)
+            torch.nn.init.kaiming_uniform_(torch.empty(fan_out, rank), a=math.sqrt(5))  # nn.Linear(r, out)
+            whole = torch.empty(rank, fan_in)
+            if init is True:
+                torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+            else:
+                torch.nn.init.normal_(whole, std=1 / layer.r[name])
+            with torch.no_grad():
+                if isinstance(a, DTensor):
+                    a.to_local().copy_(distribute_tensor(whole, a.device_mesh, a.placements).to_local())
+                else:
+                    a.copy_(whole)

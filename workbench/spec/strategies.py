@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from workbench.base.errors import RecipeError, escaped
 from workbench.spec import adapter_init
+from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 
 if TYPE_CHECKING:
     from workbench.spec.recipe import Recipe
@@ -155,11 +156,13 @@ def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
     host traffic first."""
     layouts = [SINGLE if world_size == 1 else DDP, ZERO1, ZERO2]
     layouts += [FSDP_HYBRID] if nodes > 1 else []
-    return layouts + [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+    layouts += [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+    # tensor parallel last: a collective in every layer, worth it where a layer's weights do not fit a device
+    return layouts + ([TP] if world_size > 1 else [])
 
 
 def by_name(name: str) -> Layout:
-    for layout in [*candidates(2, 2), TP]:
+    for layout in candidates(2, 2):
         if layout.name == name:
             return layout
     raise RecipeError(f"distributed: unknown layout {name!r} (known: "
@@ -244,7 +247,7 @@ def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
     if recipe.output.save_every is not None:
         return ("output.save_every: a tensor-parallel run writes no checkpoints yet (its weights are DTensor slices "
                 "the checkpoint format does not hold); set output.save_every: null, or use strategy fsdp")
-    if recipe.training.scores_sequences or recipe.training.objective != "sft":
+    if recipe.training.objective_spec is not OBJECTIVES[DEFAULT_OBJECTIVE]:  # next-token loss only, for now
         return (f"training.objective: {recipe.training.objective} under strategy tp is not verified yet; use "
                 "objective sft, or strategy fsdp")
     if adapter_init.of(recipe).changes_base or adapter_init.of(recipe).needs_data:
