@@ -20,6 +20,7 @@ from workbench.base.errors import RecipeError, WorkbenchError
 from workbench.distributed.trackers import tensorboard_dir
 from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
                                         world_size_from_env)
+from workbench.model.tensor_parallel import whole_tensors
 from workbench.spec.recipe import Recipe
 from workbench.spec.strategies import GATHER_KEYS, Layout, read_deepspeed_file
 
@@ -104,7 +105,19 @@ def _fsdp(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
             "kwargs_handlers": [InitProcessGroupKwargs(timeout=startup)]}
 
 
-_ENGINES = {"single": _single, "ddp": _ddp, "deepspeed": _deepspeed, "fsdp": _fsdp}
+def _tp(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
+    """Tensor parallel over every process: accelerate's ParallelismConfig (its device mesh), the model split by
+    transformers' tp_plan as it loads (model/loading.py), peft's LoRA factors placed with their base slices."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if not on_gpu:
+        _fsdp_on_cpu(startup)  # accelerate's parallelism config needs a multi-device state, as FSDP2 does
+    return {"parallelism_config": ParallelismConfig(tp_size=world_size_from_env()),
+            "kwargs_handlers": [InitProcessGroupKwargs(timeout=startup)]}
+
+
+_ENGINES = {"single": _single, "ddp": _ddp, "deepspeed": _deepspeed, "fsdp": _fsdp, "tp": _tp}
 
 
 def host_transfer(device_type: str) -> dict:
@@ -158,10 +171,54 @@ def unwrap(accelerator, model, keep_fp32_wrapper: bool = True):
 
 def full_state_dict(accelerator, model) -> dict:
     """accelerator.get_state_dict (whole weights on the main process); a model no engine shards holds them itself,
-    and asking Accelerate would import DeepSpeed (see `unwrap`)."""
+    and asking Accelerate would import DeepSpeed (see `unwrap`). Tensor-parallel slices are gathered whole on every
+    process (every process calls this)."""
+    if batch_replicas(accelerator) > 1:
+        return whole_tensors(unwrap(accelerator, model).state_dict())
     if "deepspeed" in sys.modules or accelerator.is_fsdp2:
         return accelerator.get_state_dict(model)
     return unwrap(accelerator, model).state_dict()
+
+
+def clip_gradients(accelerator, model, max_norm: float) -> torch.Tensor:
+    """accelerator.clip_grad_norm_, whose torch norm cannot mix a tensor-parallel model's DTensor slices with its
+    whole (replicated) tensors: there the norm is summed from each gradient's own (a slice's gathered from its
+    pieces), and each gradient scaled as torch scales it (max_norm / (norm + 1e-6), at most 1)."""
+    if batch_replicas(accelerator) == 1:
+        return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    from torch.distributed.tensor import DTensor
+
+    accelerator.unscale_gradients()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    squares = [(g.norm(2).full_tensor() if isinstance(g, DTensor) else g.norm(2)).double() ** 2 for g in grads]
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    scale = min(1.0, max_norm / (float(total) + 1e-6))
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total.float()
+
+
+def batch_replicas(accelerator) -> int:
+    """Processes that read the same batches: a tensor-parallel group computes one batch together
+    (accelerate's parallelism config says how many); 1 for data parallel layouts."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return int(getattr(config, "tp_size", 1) or 1) if config is not None else 1
+
+
+def batch_readers(accelerator) -> tuple[int, int]:
+    """(how many different batch streams a step reads, which one this process reads): the data-parallel size and
+    rank, one stream per tensor-parallel group."""
+    replicas = batch_replicas(accelerator)
+    return accelerator.num_processes // replicas, accelerator.process_index // replicas
+
+
+def sum_of_batches(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over processes of what each process's batches gave, each batch counted once (a tensor-parallel
+    group's processes read the same batch and hold the same sums)."""
+    total = accelerator.reduce(tensor, reduction="sum")
+    replicas = batch_replicas(accelerator)
+    return total / replicas if replicas > 1 else total
 
 
 def accumulation_boundary(accelerator, model, last: bool):

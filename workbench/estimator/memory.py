@@ -338,6 +338,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         # decomposition of every target weight at start-up (adapter_init.startup_cost)
         "initial_adapter": start["kept_bytes"], "init_transient": start["transient_bytes"],
         "init_flops": start["flops"],
+        **_tensor_parallel_shares(recipe, info, targets, weights),
     }
     if dev.kind == "cpu":
         # glibc keeps freed heap pages between steps: per-step tensors cost more RSS than their size.
@@ -419,6 +420,18 @@ def _dequantized_bytes(recipe: Recipe, info: ModelInfo, dev: Device) -> int:
         return 0
     largest = max((lin.in_features * lin.out_features for lin in info.linears if lin.in_layer), default=0)
     return largest * DTYPE_BYTES[compute_dtype_of(recipe)]
+
+
+def _tensor_parallel_shares(recipe: Recipe, info: ModelInfo, targets, weights: int) -> dict:
+    """What tensor parallel splits (model/tensor_parallel.py): the decoder layers' linear weights (the embeddings,
+    norms and head stay whole here), and of each LoRA pair the larger factor (B of a colwise layer, A of a rowwise
+    one; the other whole), their gradients and moments as their weights. Fractions of the whole."""
+    # (the linears `in_layer` are the first decoder layer's; every layer holds the same)
+    split = info.layers * sum(lin.in_features * lin.out_features for lin in info.linears if lin.in_layer)
+    pairs = [(lin.in_features, lin.out_features) for lin in targets if lin.in_layer]
+    factors = sum(i + o for i, o in pairs)
+    return {"tp_split_weights": min(1.0, split * DTYPE_BYTES[recipe.model.dtype] / weights) if weights else 0.0,
+            "tp_split_adapter": sum(max(i, o) for i, o in pairs) / factors if factors else 0.0}
 
 
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
@@ -577,6 +590,10 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
     part["gradients"] *= layout.gradient_copies
     for key in layout.shards:
         part[key] = math.ceil(part[key] / group)
+    if layout.splits_layers:  # each process holds its slice of what tensor parallel splits, the rest whole
+        for key, share in (("weights", t["tp_split_weights"]), ("adapter", t["tp_split_adapter"]),
+                           ("gradients", t["tp_split_adapter"]), ("optimizer", t["tp_split_adapter"])):
+            part[key] = math.ceil(part[key] * (1 - share + share / group))
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"] + t["dequantized_copy"]
     # DeepSpeed's import is charged to its own layouts. (Accelerate's FSDP2 preparation imports it too, through a
     # check for its engine: FSDP runs hold it as well, which this does not count yet.)

@@ -15,6 +15,7 @@ from workbench.base.metrics import full_numel
 from workbench.hardware.current import current_device, local_kind
 from workbench.hardware.precision import concrete, frozen_dtype_of, vocabulary_dtype
 from workbench.model.attention import AUTO, resolve
+from workbench.model import tensor_parallel
 from workbench.model.lm_loss import CHUNK_ELEMENTS, plain_head
 from workbench.spec import adapter_init
 from workbench.spec.chat_templates import use_chat_template
@@ -90,9 +91,10 @@ def reward_config(recipe: Recipe, config=None):
     return config
 
 
-def load_base_model(recipe: Recipe, device_map=None):
+def load_base_model(recipe: Recipe, device_map=None, tp_size: int = 1):
     """The frozen base model in the recipe's dtype (4/8-bit quantized for qlora); for a reward model the sequence
-    classifier over it, its score head drawn from the seed set before (the LM head is not read)."""
+    classifier over it, its score head drawn from the seed set before (the LM head is not read). `tp_size`: the
+    processes it is split over for tensor parallel (model/tensor_parallel.py)."""
     recipe = concrete(recipe)
     path = resolve_model_path(recipe.model.path)
     attn = recipe.model.attn
@@ -116,6 +118,9 @@ def load_base_model(recipe: Recipe, device_map=None):
         kwargs["config"] = load_config(recipe.model)
     if recipe.training.scores_sequences:
         kwargs["config"] = reward_config(recipe, kwargs.get("config"))
+    if tp_size > 1:  # transformers splits each weight as it loads it
+        kwargs.update(tensor_parallel.load_options(tp_size))
+        return _hub_call(path, "weights", lambda: model_class(recipe).from_pretrained(path, **kwargs))
     streamed = read_without_mapping(path, recipe, kwargs)
     if streamed is not None:
         return streamed
@@ -211,10 +216,14 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
     )
     if adapter_init.of(recipe).before_adapter:
         adapter_init.preprocess_corda(model, config, calibration)
+    drawn_from = torch.get_rng_state()  # what peft's initialisation draws from
     try:
         model = get_peft_model(model, config)
     except ValueError as err:
         raise ModelError(f"adapter.target_modules: {err}") from None
+    if tensor_parallel.is_split(model):
+        tensor_parallel.global_lora_features(model)
+        tensor_parallel.draw_as_one_process(model, drawn_from, config.init_lora_weights)
     # peft makes LoRA weights float32 but copies a modules_to_save module in the base's dtype: AdamW on 16-bit
     # weights loses small updates. Under autocast a float32 copy computes in 16 bit like the rest (without
     # it, a float32 copy between 16-bit layers could not run: pure 16-bit training stays as asked).

@@ -405,8 +405,10 @@ WEEK_S = 7 * 24 * 3600  # longer limits overflow torch's timedelta arithmetic
 
 
 class DistributedSection(Section):
-    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = Field(
-        "auto", description="auto chooses from the world size and the memory estimate."
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "tp"] = Field(
+        "auto", description="auto chooses from the world size and the memory estimate; tp: tensor parallel, each "
+                            "process holds a slice of every layer's weights and all read the same batches "
+                            "(docs/scale-out.md)."
     )
     device_memory: str | None = Field(
         None, description="memory per device that auto plans for (e.g. 40GB); default: the device's own.")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from workbench.base.errors import RecipeError, escaped
 from workbench.spec import adapter_init
+from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 
 if TYPE_CHECKING:
     from workbench.spec.recipe import Recipe
@@ -61,10 +62,23 @@ class Layout:
         return "weights" in self.shards
 
     @property
+    def splits_layers(self) -> bool:
+        """Tensor parallel: each process holds a slice of every split layer's weights (and of its adapter, its
+        gradients and their optimizer states) and computes its share of each layer on the same batch."""
+        return self.strategy == "tp"
+
+    @property
+    def reads_own_batches(self) -> bool:
+        """Whether each process reads batches of its own (data parallel); a tensor-parallel group reads the same."""
+        return not self.splits_layers
+
+    @property
     def distributed_types(self) -> frozenset[str]:
         """Accelerate's DistributedType names this layout may come up as (anything else is a silent fallback)."""
         return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
-                          "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"}}[self.strategy])
+                          "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"},
+                          # accelerate's tensor parallel runs on a multi-device state (on a CPU: labelled one)
+                          "tp": {"MULTI_GPU"}}[self.strategy])
 
     @property
     def launch_flag(self) -> str | None:
@@ -103,7 +117,7 @@ class Layout:
     @property
     def loads_portable_state(self) -> bool:
         """Whether a checkpoint written on another layout or process count can be loaded into this one."""
-        return self.strategy != "deepspeed"  # a ZeRO engine loads only its own partitions
+        return self.strategy not in ("deepspeed", "tp")  # a ZeRO engine loads only its own partitions
 
     def settings(self) -> dict:
         """The recipe fields (as overrides) that make a recipe run this layout."""
@@ -134,6 +148,7 @@ FSDP, FSDP_HYBRID = Layout("fsdp"), Layout("fsdp", hybrid=True)
 FSDP_OFFLOAD = Layout("fsdp", offload_params=True)
 ZERO2_OFFLOAD = Layout("deepspeed", 2, offload_optimizer=True)
 ZERO3_OFFLOAD = Layout("deepspeed", 3, offload_optimizer=True, offload_params=True)
+TP = Layout("tp")
 
 
 def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
@@ -141,7 +156,9 @@ def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
     host traffic first."""
     layouts = [SINGLE if world_size == 1 else DDP, ZERO1, ZERO2]
     layouts += [FSDP_HYBRID] if nodes > 1 else []
-    return layouts + [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+    layouts += [FSDP, ZERO3, FSDP_OFFLOAD, ZERO2_OFFLOAD, ZERO3_OFFLOAD]
+    # tensor parallel last: a collective in every layer, worth it where a layer's weights do not fit a device
+    return layouts + ([TP] if world_size > 1 else [])
 
 
 def by_name(name: str) -> Layout:
@@ -156,7 +173,7 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
     """The layout a recipe whose strategy is not `auto` runs on `world_size` processes."""
     dist = recipe.distributed
     if world_size == 1:
-        if dist.strategy in ("fsdp", "deepspeed"):
+        if dist.strategy in ("fsdp", "deepspeed", "tp"):
             raise RecipeError(
                 f"distributed.strategy: {dist.strategy} shards across processes, but this run has one process; "
                 "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
@@ -171,6 +188,8 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
         return Layout("deepspeed", stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
     if dist.strategy == "fsdp":
         return Layout("fsdp", hybrid=dist.fsdp.sharding == "hybrid", offload_params=dist.fsdp.cpu_offload)
+    if dist.strategy == "tp":
+        return TP
     return DDP  # ddp, or single asked of several processes: each a full replica
 
 
@@ -198,6 +217,10 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
         needs = "decomposes each whole weight" if init.decomposes else "runs forward passes over the training data"
         return (f"adapter.init: {recipe.adapter.init} {needs} at start-up, which ZeRO-3 has already partitioned; use "
                 "strategy fsdp, zero2, or init default/gaussian")
+    if layout.splits_layers:
+        problem = _tensor_parallel_problem(recipe)
+        if problem:
+            return problem
     q = recipe.quantization
     if q is not None and layout.shards_weights:
         if q.bits == 8:
@@ -208,6 +231,28 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
         if recipe.model.dtype != "auto" and q.quant_storage != recipe.model.dtype:
             return (f"quantization.quant_storage: sharding 4-bit weights needs them stored as the model dtype; "
                     f"set quantization.quant_storage: {recipe.model.dtype}")
+    return None
+
+
+def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
+    """What tensor parallel (transformers' tp_plan, peft's LoRA on DTensor slices) does not run yet."""
+    if recipe.adapter.method != "lora":
+        why = {"qlora": "bitsandbytes' 4-bit weights cannot be split into DTensor slices",
+               "dora": "DoRA's weight norm needs each whole row of the base weight",
+               "full": "full fine-tuning under tensor parallel is not verified yet"}[recipe.adapter.method]
+        return f"adapter.method: {recipe.adapter.method} under strategy tp: {why}; use method lora, or strategy fsdp"
+    if recipe.training.fast_paths:
+        return ("training.fast_paths: its per-sample attention and chunked LM head read whole weights, and under "
+                "strategy tp each process holds slices; set training.fast_paths: false")
+    if recipe.output.save_every is not None:
+        return ("output.save_every: a tensor-parallel run writes no checkpoints yet (its weights are DTensor slices "
+                "the checkpoint format does not hold); set output.save_every: null, or use strategy fsdp")
+    if recipe.training.objective_spec is not OBJECTIVES[DEFAULT_OBJECTIVE]:  # next-token loss only, for now
+        return (f"training.objective: {recipe.training.objective} under strategy tp is not verified yet; use "
+                "objective sft, or strategy fsdp")
+    if adapter_init.of(recipe).changes_base or adapter_init.of(recipe).needs_data:
+        return (f"adapter.init: {recipe.adapter.init} reads whole weights or runs the model at start-up, before "
+                "tensor parallel splits them; use init default or gaussian")
     return None
 
 

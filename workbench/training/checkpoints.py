@@ -321,7 +321,7 @@ class SchedulerState(_Written):
 class LayoutState(_Written):
     """strategies.Layout.to_json."""
 
-    strategy: Literal["single", "ddp", "fsdp", "deepspeed"]
+    strategy: Literal["single", "ddp", "fsdp", "deepspeed", "tp"]
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     hybrid: bool = False
     offload_optimizer: bool = False

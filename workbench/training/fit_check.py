@@ -23,7 +23,7 @@ import torch
 
 from workbench.base.errors import RecipeError
 from workbench.base.units import format_bytes, parse_bytes
-from workbench.distributed.accelerator import accumulation_boundary
+from workbench.distributed.accelerator import accumulation_boundary, sum_of_batches
 from workbench.estimator.memory import layout_estimate
 from workbench.hardware.current import StretchPeak, device_total_bytes, is_out_of_memory, release_cached_memory
 from workbench.spec import batch_split
@@ -79,7 +79,7 @@ def measure_step(accelerator, model, optimizer, objective, batch: dict) -> tuple
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type), \
                 StretchPeak(device) as peak:
             try:
-                totals = accelerator.reduce(objective.counts(model, batch), reduction="sum")
+                totals = sum_of_batches(accelerator, objective.counts(model, batch))
                 with accumulation_boundary(accelerator, model, last=True):  # a whole step: gradients synchronised
                     accelerator.backward(objective.loss(model, batch, totals).loss)
                 # AdamW at rate 0 adds 0 x its update: exact where the update is finite, NaN where the gradients

@@ -11,7 +11,7 @@ import torch
 
 from workbench.base.errors import WorkbenchError, reported_as_write_error
 from workbench.data.batches import STAND_IN
-from workbench.distributed.accelerator import full_state_dict, host_transfer, unwrap
+from workbench.distributed.accelerator import full_state_dict, host_transfer, sum_of_batches, unwrap
 from workbench.distributed.trackers import log_to_trackers
 from workbench.model.inference import Answer, answer
 from workbench.rundir.model_card import write_model_card_or_warn
@@ -58,7 +58,7 @@ def evaluate(model, loader, accelerator, objective) -> dict | None:
         if not batch.get(STAND_IN):
             sums += part
     model.train(was_training)
-    report = objective.report(accelerator.reduce(sums, reduction="sum").cpu())
+    report = objective.report(sum_of_batches(accelerator, sums).cpu())
     return {f"eval_{k}": (round(v, 6) if v is not None else None) for k, v in report.items()}
 
 
@@ -67,8 +67,16 @@ def _write_eval(metrics, accelerator, step: int, figures: dict) -> None:
     log_to_trackers(accelerator, {k: v for k, v in figures.items() if v is not None}, step)
 
 
-def adamw_kernel(device_type: str) -> dict:
-    """One fused kernel for the whole update on a GPU; the multi-tensor (foreach) path elsewhere."""
+def adamw_kernel(device_type: str, params=()) -> dict:
+    """One fused kernel for the whole update on a GPU; the multi-tensor (foreach) path elsewhere. A tensor-parallel
+    model's parameters mix DTensor slices with whole tensors, which neither kernel takes in one call: one update
+    per parameter."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for group in params for p in (group["params"] if isinstance(group, dict)
+                                                                  else [group])}
+    if len(kinds) > 1:
+        return {"foreach": False}
     return {"fused": True} if device_type == "cuda" else {"foreach": True}
 
 
@@ -76,7 +84,8 @@ def build_optimizer(model, recipe: Recipe, device_type: str = "cpu") -> torch.op
     cfg = recipe.training
     params = parameter_groups(model, recipe)  # one group, or LoRA+'s (peft's)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **adamw_kernel(device_type))
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 **adamw_kernel(device_type, params))
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if cfg.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
@@ -96,8 +105,8 @@ MAX_SKIPPED_STEPS, MAX_SKIPPED_FRACTION = 3, 0.1  # on_nonfinite: skip stops a r
 
 def _window_totals(accelerator, sums, tokens: int, start: float) -> dict:
     """The current metrics window summed over ranks (one small all-reduce per checkpoint)."""
-    totals = accelerator.reduce(torch.cat([sums.float(), torch.tensor([float(tokens)], device=sums.device)]),
-                                reduction="sum")
+    totals = sum_of_batches(accelerator, torch.cat([sums.float(), torch.tensor([float(tokens)],
+                                                                               device=sums.device)]))
     return {"sums": [float(x) for x in totals[:-1]], "tokens": int(totals[-1]), "seconds": time.perf_counter() - start}
 
 

@@ -28,10 +28,11 @@ from workbench.base.metrics import FlopCounter, MetricsWriter, read_metrics
 from workbench.data.batches import STAND_IN, Collator, StepBatches, TrainRows, FirstEpochBatches, first_rows
 from workbench.data.prepared import prepare_data
 from workbench.data.streaming import StreamBatches, stream_data
-from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary, build_accelerator,
-                                               collective_failure, collective_timeout, configure_threads,
-                                               host_transfer, local_parameter_elements, patience,
-                                               release_accelerator_state, unwrap, verify_launch)
+from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary, batch_readers, batch_replicas,
+                                               build_accelerator, clip_gradients, collective_failure,
+                                               collective_timeout,
+                                               configure_threads, host_transfer, local_parameter_elements, patience,
+                                               release_accelerator_state, sum_of_batches, unwrap, verify_launch)
 from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from workbench.distributed.trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
 from workbench.estimator.memory import prediction_for_run
@@ -192,6 +193,9 @@ class TrainingSession:
         """The loaders of this process's micro-batches, at the recipe's micro-batch (dealt again where the fit
         check took a smaller split of training.batch_size)."""
         cfg, accelerator, collate, streamed = self.cfg, self.accelerator, self.collate, self.recipe.data.streaming
+        # (data parallel: one stream of batches per process; a tensor-parallel group reads one stream together)
+        self.readers, self.replicas = batch_readers(accelerator), batch_replicas(accelerator)
+        readers, reader = self.readers
         # This process's own micro-batches, dealt so that each step holds the same samples on any layout, the short step
         # that ends an epoch too (accelerate does not shard this loader again). Its own generator: creating a loader
         # iterator must not draw from the global RNG that dropout uses, or a resumed run (which creates one more
@@ -199,12 +203,10 @@ class TrainingSession:
         # page-locked batches copy to a GPU asynchronously
         pinned = host_transfer(accelerator.device.type)["pin_memory"]
         if streamed:  # dealt alike, as the stream is read (workbench/data/streaming.py)
-            self.batches_of = StreamBatches(self.data.train, collate, cfg.micro_batch_size,
-                                            accelerator.num_processes, accelerator.process_index)
+            self.batches_of = StreamBatches(self.data.train, collate, cfg.micro_batch_size, readers, reader)
             self.train_loader = self.batches_of
         else:
-            self.batches_of = StepBatches(len(self.data.train), cfg.micro_batch_size, accelerator.num_processes,
-                                          accelerator.process_index, seed=cfg.seed)
+            self.batches_of = StepBatches(len(self.data.train), cfg.micro_batch_size, readers, reader, seed=cfg.seed)
             self.train_loader = DataLoader(TrainRows(self.data.train), batch_sampler=self.batches_of,
                                            collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),
                                            pin_memory=pinned)
@@ -212,8 +214,7 @@ class TrainingSession:
         # sharding would repeat rows to even out the processes, and count them twice)
         self.eval_loader = (DataLoader(TrainRows(self.data.eval), collate_fn=collate, pin_memory=pinned,
                                        batch_sampler=StepBatches(len(self.data.eval), cfg.micro_batch_size,
-                                                                 accelerator.num_processes,
-                                                                 accelerator.process_index, shuffle=False))
+                                                                 readers, reader, shuffle=False))
                             if self.data.eval is not None else None)
 
     def setup_model(self) -> None:
@@ -223,7 +224,7 @@ class TrainingSession:
         torch.manual_seed(cfg.seed)  # LoRA init must not depend on what data preparation consumed
         init = adapter_init.of(recipe)
         calibration = first_rows(self.data.train, cfg.seed, adapter_init.CORDA_ROWS) if init.before_adapter else None
-        base = load_base_model(recipe)
+        base = load_base_model(recipe, tp_size=self.accelerator.num_processes if self.layout.splits_layers else 1)
         if init.needs_data and device_type == "cuda" and not self.layout.shards_weights and recipe.quantization is None:
             base.to(self.accelerator.device)  # a data-driven init's forward passes run where training will
         model = attach_adapter(base, recipe, calibration)
@@ -445,14 +446,15 @@ class TrainingSession:
         step_sums = torch.zeros_like(self.window_sums)
         # what the step's loss is normalised by (its target tokens, or pairs), over every rank. A stand-in counts
         # nothing but runs any forward its objective's counts take: sharded layouts gather weights in lockstep
-        totals = accelerator.reduce(sum((objective.counts(self.model, mb) * (0 if mb.get(STAND_IN) else 1)
-                                         for mb in micro_batches),
-                                        torch.zeros(objectives.COUNTS, device=accelerator.device)), reduction="sum")
+        totals = sum_of_batches(accelerator, sum((objective.counts(self.model, mb) * (0 if mb.get(STAND_IN) else 1)
+                                                  for mb in micro_batches),
+                                                 torch.zeros(objectives.COUNTS, device=accelerator.device)))
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            # DDP averages gradients over ranks: scale by the world size to undo that mean. A stand-in (no sample
+            # DDP and FSDP average gradients over the data-parallel ranks: scale by their count to undo that mean
+            # (a tensor-parallel group computes one batch's gradient together: no mean). A stand-in (no sample
             # left here in an epoch's short last step) runs the passes the other processes wait for, adding nothing
-            weight = 0 if batch.get(STAND_IN) else accelerator.num_processes
+            weight = 0 if batch.get(STAND_IN) else self.readers[0]
             with accumulation_boundary(accelerator, self.model, last), self.offload():
                 part = objective.loss(self.model, batch, totals)
                 accelerator.backward(part.loss * weight)
@@ -463,7 +465,8 @@ class TrainingSession:
             # counted by the collator on the host: no device read per micro-batch
             self.window_tokens += batch["num_tokens"]
             state.flops += self.flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
-                                                        extra_forwards=self.recipe.training.extra_forwards)
+                                                        extra_forwards=self.recipe.training.extra_forwards) \
+                / self.replicas  # this process's share of the batch's work
         return step_loss, step_sums
 
     def step(self, micro_batches: list) -> tuple:
@@ -472,7 +475,7 @@ class TrainingSession:
         cfg, accelerator, state, run = self.cfg, self.accelerator, self.state, self.run_dir
         step_start = time.perf_counter()
         step_loss, step_sums = self.accumulate(micro_batches)
-        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
+        grad_norm = clip_gradients(accelerator, self.model, cfg.max_grad_norm or float("inf"))
         self.watch.observe(state.step + 1, step_loss, grad_norm)
         decides = self.reads_every_step or _reports_after(state.step + 1, self.total_steps, self.recipe.output)
         self.stop.poll_file(run.stop_request)  # `workbench stop`: a signal where none can be sent (Ray's threads)
@@ -507,10 +510,9 @@ class TrainingSession:
         accelerator, state = self.accelerator, self.state
         # The only host sync of the loop: read the loss when a row is written.
         # loss None when every step of the window was skipped (on_nonfinite: skip)
-        report = self.objective.report(accelerator.reduce(self.window_sums, reduction="sum").cpu())
+        report = self.objective.report(sum_of_batches(accelerator, self.window_sums).cpu())
         self.last_loss, self.last_report = report["loss"], report
-        tokens_total = int(accelerator.reduce(torch.tensor(self.window_tokens, device=accelerator.device),
-                                              reduction="sum"))
+        tokens_total = int(sum_of_batches(accelerator, torch.tensor(self.window_tokens, device=accelerator.device)))
         state.tokens += tokens_total
         elapsed = time.perf_counter() - self.window_start
         norm = _rounded(float(grad_norm)) if grad_norm is not None else None
