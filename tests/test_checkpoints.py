@@ -513,6 +513,13 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
             r"portable\.json: scheduler\._last_lr: \[0\.3\], where its schedule gives \[.*\] at step 2",
             "training.micro_batch_size=2", "training.grad_accum=4")
     refused("no-run-json", lambda c, r: r.run_json.unlink(), r"run\.json is missing; it records the data")
+
+    def stripped(_, run_dir):  # run.json without the hashes the resume is checked against
+        record = run_dir.read_json()
+        del record["summary"]["train_sha256"]
+        run_dir.run_json.write_text(json.dumps(record))
+
+    refused("stripped", stripped, r"run\.json records no train_sha256, which it wrote before its first checkpoint")
     secret = tmp_path / "secret.txt"
     secret.write_text("not the checkpoint's")
 

@@ -132,6 +132,13 @@ class ResumePlan:
 
     def check_data(self, stats: dict) -> None:
         """A resumed run trains on the bytes it started on: a data file changed since then is refused."""
+        if self.published:  # this version's run records each hash before its first checkpoint
+            missing = [key for key in ("train_sha256", "eval_sha256", "chat_template_sha256")
+                       if stats.get(key) and not self.recorded.get(key)]
+            if missing:
+                raise WorkbenchError(f"--resume: the run's run.json records no {missing[0]}, which it wrote before "
+                                     "its first checkpoint (it was edited); restore it, or start the run again "
+                                     "(--overwrite)")
         for key in ("train_sha256", "eval_sha256"):
             if self.recorded.get(key) and stats.get(key) and self.recorded[key] != stats[key]:
                 part = key.split("_")[0]
@@ -145,6 +152,9 @@ class ResumePlan:
     def check_base_model(self, path: str) -> None:
         """A resumed run trains against the base weights it started on: a model.path folder whose files hold
         other bytes since then is refused."""
+        if self.published and "base_model" not in self.recorded:  # written as the run starts
+            raise WorkbenchError("--resume: the run's run.json records no base_model fingerprint, which it wrote "
+                                 "as it started (it was edited); restore it, or start the run again (--overwrite)")
         if base_fingerprint.changed(self.recorded.get("base_model"), path):
             raise WorkbenchError(f"--resume: the base model in model.path ({escaped(path)}) changed since the run "
                                  "started (its files hold other bytes), and the adapter was trained against the one "
