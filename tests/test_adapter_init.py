@@ -174,6 +174,7 @@ def test_lora_plus_keeps_its_rates_through_the_schedule_and_a_new_lr():
 
 
 def test_a_checkpoint_with_other_learning_rate_groups_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    import hashlib
     import json
 
     whole = train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
@@ -187,6 +188,8 @@ def test_a_checkpoint_with_other_learning_rate_groups_is_refused_and_leaves_the_
     for key in ("base_lrs", "_last_lr"):
         written["scheduler"][key] = written["scheduler"][key][::2]
     meta.write_text(json.dumps(written))
+    # the run's record of it as that version would have published it
+    run.update_json(checkpoints={"2": hashlib.sha256(meta.read_bytes()).hexdigest()})
     before = {name: (run.path / name).read_bytes() for name in ("recipe.yaml", "run.json", "metrics.jsonl")}
     with pytest.raises(WorkbenchError, match=r"step-2 holds 2 learning-rate groups and this run 3 ") as refused:
         train(tiny("adapter.lora_plus_ratio=16", EMBEDDING_AND_LINEARS, "training.max_steps=2",
@@ -259,7 +262,7 @@ def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
 
     est = estimate(tiny("adapter.init=olora"), world_size=2)
     refused = {s["name"]: s["refused"] for s in est.strategies if s["refused"]}
-    assert set(refused) == {"zero3", "zero3_offload"} and est.recommended not in refused
+    assert set(refused) == {"zero3", "zero3_offload", "tp"} and est.recommended not in refused
     assert "zero3 refused: adapter.init: olora decomposes" in est.to_text(width=300)
 
 
