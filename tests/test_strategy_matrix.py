@@ -1,9 +1,10 @@
 """Every layout against one process, for real (gloo, builtin:tiny, float32): DDP, FSDP2 full and hybrid, ZeRO-1/2/3,
-each with and without gradient accumulation, LoRA and 4-bit QLoRA; resumed on another process count and layout;
-`auto` choosing a sharded layout when no replica fits.
+each with and without gradient accumulation, LoRA and 4-bit QLoRA, and tensor parallel; resumed on another process
+count and layout; `auto` choosing a sharded layout when no replica fits.
 
-Two processes with micro-batch b follow one process with micro-batch 2b: the same samples make each step, and the
-loss is normalised over the step's target tokens on every rank. Judged from what the ranks recorded (run.json,
+Two data-parallel processes with micro-batch b follow one process with micro-batch 2b: the same samples make each
+step, and the loss is normalised over the step's target tokens on every rank. Two tensor-parallel processes read one
+batch stream together: with micro-batch 2b, as one process. Judged from what the ranks recorded (run.json,
 metrics.jsonl, the adapter), never from the launch flags. One launch per family of layouts trains all of its cells
 in turn (tests/strategy_worker.py): importing the stack is most of a small run's time.
 """
@@ -49,7 +50,10 @@ OBJECTIVE_LAYOUTS = ("ddp", "zero3", "fsdp")
 
 def method_cells(layout: str) -> list[tuple[str, int]]:
     """(method, grad_accum) on a layout: LoRA and QLoRA with and without accumulation; ZeRO-1 runs LoRA alone (its
-    4-bit weights take ZeRO-2's path: the stages differ in how gradients are partitioned, not in the weights)."""
+    4-bit weights take ZeRO-2's path: the stages differ in how gradients are partitioned, not in the weights);
+    tensor parallel runs LoRA (it refuses 4-bit weights), its accumulation in tests/test_tensor_parallel.py."""
+    if layout == "tp":
+        return [("lora", 1)]
     return [(m, ga) for m in METHODS for ga in (1, 2) if not (layout == "zero1" and m == "qlora")]
 LAYOUTS = {
     "ddp": ["distributed.strategy=ddp"],
@@ -57,8 +61,10 @@ LAYOUTS = {
     "zero2": ["distributed.strategy=deepspeed", "distributed.deepspeed.stage=2"],
     "zero3": ["distributed.strategy=deepspeed", "distributed.deepspeed.stage=3"],
     "fsdp": ["distributed.strategy=fsdp"],
+    # its per-sample attention and chunked head read whole weights: off (strategies._tensor_parallel_problem)
+    "tp": ["distributed.strategy=tp", "training.fast_paths=false"],
 }
-FAMILIES = {"ddp": ["ddp"], "deepspeed": ["zero1", "zero2", "zero3"], "fsdp": ["fsdp"]}
+FAMILIES = {"ddp": ["ddp"], "deepspeed": ["zero1", "zero2", "zero3"], "fsdp": ["fsdp"], "tp": ["tp"]}
 GLOBAL_BATCH = 4  # samples per step in every cell
 # an epoch that ends on a short step: 9 rows make steps of 4, 4 and 1 samples, then step 4 starts the next epoch (with
 # one process a micro-batch over, the others run a stand-in that adds nothing)
@@ -80,8 +86,9 @@ def adapter_atol(method: str) -> float:
     return SHAPE_SENSITIVE_ADAPTER_ATOL if method in SHAPE_SENSITIVE else ADAPTER_ATOL
 
 
-def batch(grad_accum: int, world: int) -> list[str]:
-    return [f"training.grad_accum={grad_accum}", f"training.micro_batch_size={GLOBAL_BATCH // grad_accum // world}"]
+def batch(grad_accum: int, world: int, layout: str = "ddp") -> list[str]:
+    streams = 1 if layout == "tp" else world  # a tensor-parallel group reads one batch stream (Layout.batch_streams)
+    return [f"training.grad_accum={grad_accum}", f"training.micro_batch_size={GLOBAL_BATCH // grad_accum // streams}"]
 
 
 def run_worker(cells: dict, nproc: int, tmp, nnodes: int = 1, name: str = "cells") -> dict:
@@ -128,13 +135,13 @@ def matrix(tmp_path_factory):
     launches = [dict(cells=refs, nproc=1, name="single")]
     for family, layouts in FAMILIES.items():
         cells = {str(root / f"{layout}-{m}-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *METHODS[m],
-                                                                     *batch(ga, 2)]}
+                                                                     *batch(ga, 2, layout)]}
                  for layout in layouts for m, ga in method_cells(layout)}
         cells.update({str(root / f"{layout}-{o}-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *OBJECTIVES[o],
                                                                          *batch(ga, 2)]}
                       for layout in layouts if layout in OBJECTIVE_LAYOUTS for o, ga in OBJECTIVE_CELLS})
         cells.update({str(root / f"{layout}-epoch_end-ga{ga}"): {"overrides": [*CELL, *LAYOUTS[layout], *EPOCH_END,
-                                                                             *batch(ga, 2)]}
+                                                                             *batch(ga, 2, layout)]}
                       for layout, ga in EPOCH_END_CELLS if layout in layouts})
         if family == "fsdp":  # auto, where no replica fits the memory it is given, must run a sharded layout
             cells[str(root / "auto")] = {"overrides": [*CELL, *batch(1, 2), *AUTO_CELL, "distributed.strategy=auto",
@@ -189,9 +196,11 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
     assert str(cell) not in refused, refused.get(str(cell))
     s = summary_of(cell)
     assert (s["world_size"], s["layout"]["name"]) == (2, layout)
-    assert s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}.get(layout, "DEEPSPEED")
+    assert s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP", "tp": "MULTI_GPU"}.get(layout, "DEEPSPEED")
     if layout in ("fsdp", "zero3"):
         assert max(s["param_elements_per_rank"]) < 0.55 * s["params"]  # the weights really are split
+    elif layout == "tp":  # slices of every decoder layer; the embeddings and head (most of the tiny model) whole
+        assert max(s["param_elements_per_rank"]) < s["params"]
     else:
         a, b = s["trainable_checksum_per_rank"]
         assert a == b  # replicas hold identical adapters
@@ -292,21 +301,23 @@ def interrupted_copy(source, target):
     return target
 
 
-RESUMES = {  # copy of -> resumed on (layout, processes)
-    "fsdp-lora-ga1": ("single", 1), "zero3-lora-ga1": ("single", 1), "zero2-qlora-ga2": ("single", 1),
-    "single-lora-ga1": ("fsdp", 2), "single-qlora-ga2": ("ddp", 2), "fsdp-qlora-ga1": ("fsdp", 2),
-    "zero3-lora-ga2": ("zero3", 2), "single-dpo-ga2": ("ddp", 2), "zero3-orpo-ga1": ("zero3", 2),
-}
+RESUMES = [  # copy of, resumed on (layout, processes)
+    ("fsdp-lora-ga1", "single", 1), ("zero3-lora-ga1", "single", 1), ("zero2-qlora-ga2", "single", 1),
+    ("single-lora-ga1", "fsdp", 2), ("single-qlora-ga2", "ddp", 2), ("fsdp-qlora-ga1", "fsdp", 2),
+    ("zero3-lora-ga2", "zero3", 2), ("single-dpo-ga2", "ddp", 2), ("zero3-orpo-ga1", "zero3", 2),
+    # tensor parallel's checkpoints hold the portable copy alone: within the layout, out of it and into it
+    ("tp-lora-ga1", "tp", 2), ("tp-lora-ga1", "single", 1), ("single-lora-ga2", "tp", 2),
+]
 
 
 @pytest.fixture(scope="module")
 def resumed(matrix):
     root, _ = matrix
     groups: dict = {}
-    for source, (layout, world) in RESUMES.items():
+    for source, layout, world in RESUMES:
         method, ga = source.split("-")[1], int(source[-1])
         target = interrupted_copy(root / source, root / f"{source}-on-{layout}")
-        overrides = [*CELL, *{**METHODS, **OBJECTIVES}[method], *batch(ga, world),
+        overrides = [*CELL, *{**METHODS, **OBJECTIVES}[method], *batch(ga, world, layout),
                      *LAYOUTS.get(layout, ["distributed.strategy=auto"])]
         groups.setdefault((layout.rstrip("0123"), world), {})[str(target)] = {"overrides": overrides, "resume": True}
     # a ZeRO engine loads only its own partitions: a one-process checkpoint resumed under ZeRO-2 is refused
@@ -319,10 +330,9 @@ def resumed(matrix):
                               for (family, world), cells in groups.items()], root)
 
 
-@pytest.mark.parametrize("source", list(RESUMES))
-def test_a_checkpoint_resumes_on_another_process_count_or_layout(resumed, source):
+@pytest.mark.parametrize("source, layout, world", RESUMES, ids=[f"{s}-on-{l}" for s, l, _ in RESUMES])
+def test_a_checkpoint_resumes_on_another_process_count_or_layout(resumed, source, layout, world):
     root, refused = resumed
-    layout, world = RESUMES[source]
     target = root / f"{source}-on-{layout}"
     assert str(target) not in refused, refused.get(str(target))
     s = summary_of(target)

@@ -12,7 +12,7 @@ from workbench import Recipe, RecipeError, train
 from workbench.spec.strategies import TP, layout_problem
 
 # what strategy tp asks of a recipe today (the refusals below say why)
-TP_READY = ["training.fast_paths=false", "output.save_every=null"]
+TP_READY = ["training.fast_paths=false"]
 
 
 @pytest.mark.parametrize("init", [True, "gaussian"])
@@ -40,7 +40,7 @@ def test_lora_draws_repeated_on_whole_shapes_are_pefts_own(init):
     (["adapter.method=qlora"], "adapter.method: qlora under strategy tp: bitsandbytes' 4-bit weights"),
     (["adapter.method=dora"], "adapter.method: dora under strategy tp"),
     (["training.fast_paths=true"], "training.fast_paths: its per-sample attention"),
-    (["output.save_every=5"], "output.save_every: a tensor-parallel run writes no checkpoints yet"),
+    (["training.optimizer=adamw_8bit"], "training.optimizer: adamw_8bit keeps bitsandbytes' quantized states"),
     (["training.objective=dpo", "data.format=preference", "data.train=recipes/data/preference_train.jsonl",
       "data.eval=null"], "training.objective: dpo under strategy tp"),
     (["adapter.init=pissa"], "adapter.init: pissa reads whole weights"),

@@ -72,6 +72,11 @@ class Layout:
         """Whether each process reads batches of its own (data parallel); a tensor-parallel group reads the same."""
         return not self.splits_layers
 
+    def batch_streams(self, world_size: int) -> int:
+        """How many different batches a micro-batch round reads on `world_size` processes: one a process, or one
+        a tensor-parallel group (all of them, today). A step's samples and a place in the epoch count in these."""
+        return world_size if self.reads_own_batches else 1
+
     @property
     def distributed_types(self) -> frozenset[str]:
         """Accelerate's DistributedType names this layout may come up as (anything else is a silent fallback)."""
@@ -117,7 +122,15 @@ class Layout:
     @property
     def loads_portable_state(self) -> bool:
         """Whether a checkpoint written on another layout or process count can be loaded into this one."""
-        return self.strategy not in ("deepspeed", "tp")  # a ZeRO engine loads only its own partitions
+        return self.strategy != "deepspeed"  # a ZeRO engine loads only its own partitions
+
+    @property
+    def keeps_engine_state(self) -> bool:
+        """Whether a checkpoint holds the engine's own copy (accelerator.save_state) beside the portable one.
+        Accelerate writes a tensor-parallel model's DTensor slices as if whole, and only the main process's
+        optimizer slices: its checkpoints hold the portable copy alone (gathered whole), which every layout
+        but ZeRO's loads, this one included."""
+        return not self.splits_layers
 
     def settings(self) -> dict:
         """The recipe fields (as overrides) that make a recipe run this layout."""
@@ -244,9 +257,9 @@ def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
     if recipe.training.fast_paths:
         return ("training.fast_paths: its per-sample attention and chunked LM head read whole weights, and under "
                 "strategy tp each process holds slices; set training.fast_paths: false")
-    if recipe.output.save_every is not None:
-        return ("output.save_every: a tensor-parallel run writes no checkpoints yet (its weights are DTensor slices "
-                "the checkpoint format does not hold); set output.save_every: null, or use strategy fsdp")
+    if recipe.training.optimizer != "adamw":
+        return (f"training.optimizer: {recipe.training.optimizer} keeps bitsandbytes' quantized states, which "
+                "tensor parallel's DTensor slices are not; use optimizer adamw")
     if recipe.training.objective_spec is not OBJECTIVES[DEFAULT_OBJECTIVE]:  # next-token loss only, for now
         return (f"training.objective: {recipe.training.objective} under strategy tp is not verified yet; use "
                 "objective sft, or strategy fsdp")

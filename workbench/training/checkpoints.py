@@ -3,10 +3,11 @@
 Each checkpoint holds two copies of the training state:
 
 - the engine's own (`accelerator.save_state`: FSDP's sharded files, DeepSpeed's ZeRO partitions, RNG
-  states per rank), which resumes exactly on the same layout and world size;
+  states per rank), which resumes exactly on the same layout and world size (tensor parallel keeps none:
+  `Layout.keeps_engine_state`);
 - a portable one (`portable.safetensors` + `portable.json`): the trainable weights and their AdamW
   moments, whole and keyed by parameter name, with the schedule and the loop's position counted in
-  samples. Any layout gathers it (a collective, cheap for adapters) and single, DDP and FSDP load it,
+  samples. Any layout gathers it (a collective, cheap for adapters) and every layout but ZeRO's loads it,
   so a run written by 2 FSDP processes continues in one process, and one written in one process on 2.
 
 `workbench_checkpoint.json` records the layout and world size that wrote the checkpoint, and the loop's
@@ -59,9 +60,13 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     staging = run.staging_checkpoint(progress.step)
     target = run.checkpoint(progress.step)  # what a failed write names (a full disk: one line, not a traceback)
     try:
-        with reported_as_write_error(target):
-            accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
+        if layout.keeps_engine_state:
+            with reported_as_write_error(target):
+                accelerator.save_state(str(staging), safe_serialization=True, **layout.save_state_options)
+        elif accelerator.is_main_process:  # the portable copy alone, in the folder the engine would have made
+            staging.mkdir(parents=True, exist_ok=True)
         portable = _gather_portable(accelerator, model, optimizer, layout)  # every rank takes part
+        streams = layout.batch_streams(accelerator.num_processes)
         _pause_for_crash_tests(progress.step)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -71,7 +76,7 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
                     write_json_atomic(staging / PORTABLE_META, {
                         "progress": progress.state_dict(), "scheduler": _json_scheduler(scheduler),
                         "adam_step": progress.step - progress.skipped_steps,
-                        "samples_in_epoch": progress.batches_in_epoch * micro_batch * accelerator.num_processes})
+                        "samples_in_epoch": progress.batches_in_epoch * micro_batch * streams})
                 write_json_atomic(staging / META, {
                     "step": progress.step, "layout": layout.to_json(), "world_size": accelerator.num_processes,
                     "micro_batch_size": micro_batch, "grad_accum": grad_accum, "portable": portable is not None,
@@ -88,14 +93,15 @@ def save(accelerator, run: RunDir, layout: Layout, model, optimizer, scheduler, 
     accelerator.wait_for_everyone()
 
 
-def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> str:
-    """Restore the checkpoint `resume.choose` picked into this run; returns how ("exact" or "portable")."""
+def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, batch: tuple[int, int]) -> str:
+    """Restore the checkpoint `resume.choose` picked into this run; returns how ("exact" or "portable").
+    batch: (micro_batch_size, batch streams) of this run (Layout.batch_streams)."""
     if plan.how == "exact":
         accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
         _load_schedule(scheduler, plan.meta["scheduler"])
         progress.load_state_dict(plan.meta["progress"])
     else:
-        _load_portable(accelerator, plan, model, optimizer, scheduler, progress, micro_batch)
+        _load_portable(accelerator, plan, model, optimizer, scheduler, progress, *batch)
     return plan.how
 
 
@@ -466,7 +472,8 @@ def _sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int) -> None:
+def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progress, micro_batch: int,
+                   streams: int) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
@@ -489,7 +496,7 @@ def _load_portable(accelerator, plan: CheckpointChoice, model, optimizer, schedu
     progress.load_state_dict(meta["progress"])
     # the loop's place in the epoch, counted in samples: the same samples come next at any process count (an
     # epoch that ended on a short step is skipped whole, and the loop starts the next)
-    per_step = micro_batch * accelerator.num_processes
+    per_step = micro_batch * streams
     progress.batches_in_epoch = math.ceil(int(meta["samples_in_epoch"]) / per_step)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from workbench.base.errors import RecipeError
 from workbench.distributed.launcher import check_launcher_agrees
 from workbench.estimator.batch_choice import BatchChoice
 from workbench.estimator.batch_choice import choose as choose_batch_split
@@ -58,6 +59,11 @@ def resolve_run(recipe: Recipe, run: RunDir, *, resume: bool, world_size: int, n
     warnings = (*precision.warnings, *filter(None, [dense_mask_warning(attention, device_kind)]),
                 *preflight(recipe, tokenizer, model_config, resume))
     recipe, layout, why = resolve_layout(recipe, world_size, nodes)
+    if plan.resuming and asked_strategy == "auto" and not layout.reads_own_batches:
+        # the resume kept the run's samples a step counting one batch stream a process (resume.check_resume)
+        raise RecipeError(f"distributed.strategy: auto chose {layout.name} to resume this run, whose processes "
+                          f"read one batch stream together; set distributed.strategy: {layout.strategy} to resume "
+                          "on it")
     check_launcher_agrees(layout.strategy)
     choice = None
     if split_asked:

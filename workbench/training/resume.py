@@ -40,7 +40,7 @@ from workbench.model.attention import model_drops_out, shares_prompts
 from workbench.rundir.runs import RunDir
 from workbench.spec import batch_split
 from workbench.spec.recipe import Recipe
-from workbench.spec.strategies import Layout
+from workbench.spec.strategies import Layout, layout_of
 from workbench.training import checkpoints
 
 # Dotted keys (or section prefixes ending in ".") a resume may change.
@@ -211,7 +211,11 @@ def check_resume(recipe: Recipe, run: RunDir, world_size: int = 1) -> tuple[Reci
     except (RecipeError, OSError) as err:
         raise RecipeError(f"--resume: cannot read the run's own recipe {escaped(run.recipe)}: {err}") from None
     recipe = split_as_saved(saved, recipe)
-    recipe, notes, batch_problem = _keep_samples_per_step(saved, recipe, run, world_size)
+    # a step's samples count in batch streams: one a process, one a tensor-parallel group (`auto` chooses among
+    # data-parallel layouts on a resume: workbench/training/resolved.py)
+    streams = world_size if recipe.distributed.strategy == "auto" else \
+        layout_of(recipe, world_size).batch_streams(world_size)
+    recipe, notes, batch_problem = _keep_samples_per_step(saved, recipe, run, streams)
     old, new = _flat(saved.to_dict()), _flat(recipe.to_dict())
     for key in PRECISION_KEYS:  # `auto` means: what this run resolved it to
         if new.get(key) == AUTO and key in old:
@@ -287,12 +291,19 @@ def _written_by(saved: Recipe, run: RunDir) -> tuple[int, int, int] | None:
     latest = run.latest_checkpoint()
     try:
         meta = checkpoints.read_meta(latest[1]) if latest else {}
-        return int(meta["micro_batch_size"]), int(meta["grad_accum"]), int(meta["world_size"])
+        return int(meta["micro_batch_size"]), int(meta["grad_accum"]), _streams(meta)
     except (WorkbenchError, ValueError, KeyError, TypeError):
         saved_world = run.read_json().get("summary", {}).get("world_size")
         if not isinstance(saved_world, int):
             return None
         return saved.training.micro_batch_size, saved.training.grad_accum, saved_world
+
+
+def _streams(meta: dict) -> int:
+    """The batch streams of the run that wrote a checkpoint: its processes, but one a tensor-parallel group."""
+    layout = meta.get("layout")
+    world = int(meta["world_size"])
+    return Layout.from_json(layout).batch_streams(world) if isinstance(layout, dict) else world
 
 
 def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_batch: int, world_size: int) -> bool:
@@ -346,7 +357,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     if "progress" not in meta and not pickles and not meta.get("portable"):  # its loop state is nowhere
         raise checkpoints.damage(path, checkpoints.META, "progress", "missing, and the checkpoint has no portable "
                                  "copy that holds it")
-    if same and not pickles and "progress" in meta:
+    if same and layout.keeps_engine_state and not pickles and "progress" in meta:
         missing = checkpoints.missing_engine_file(path, layout)
         if missing:  # accelerate would name its own fallback file, in a traceback
             raise checkpoints.damage(path, missing, None, "missing")
@@ -363,10 +374,11 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
     if len(portable["scheduler"]["base_lrs"]) == len(lr_groups):  # (another count: refused above, from the meta)
         _check_group_rates(path, checkpoints.PORTABLE_META, portable["scheduler"]["base_lrs"], lr_groups)
     _check_counters(path, checkpoints.PORTABLE_META, meta, portable["progress"], samples_per_epoch, limits)
-    if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, world_size):
+    streams = layout.batch_streams(world_size)
+    if not _continues_mid_epoch(int(portable["samples_in_epoch"]), samples_per_epoch, micro_batch, streams):
         raise WorkbenchError(
             f"--resume: checkpoint {path.name} ({where}) stopped {portable['samples_in_epoch']} samples into its "
-            f"epoch, which {here} cannot continue from exactly ({micro_batch * world_size} samples a micro-batch "
+            f"epoch, which {here} cannot continue from exactly ({micro_batch * streams} samples a micro-batch "
             "over all processes); resume on the process count that wrote it, or with a micro-batch that divides "
             "that count")
     return CheckpointChoice(path, "portable", meta, portable)
@@ -378,7 +390,7 @@ def _check_place(path: Path, meta: dict, samples_per_epoch: float, portable: dic
     that wrote it (and, in portable.json, in samples)."""
     if math.isinf(samples_per_epoch):
         return
-    per_round = meta["micro_batch_size"] * meta["world_size"]
+    per_round = meta["micro_batch_size"] * _streams(meta)
     rounds = math.ceil(samples_per_epoch / per_round)
     placed = meta.get("progress", {}).get("batches_in_epoch")
     places = [(checkpoints.META, "progress.batches_in_epoch", placed, rounds)]
@@ -418,7 +430,7 @@ def _check_same_place(path: Path, meta: dict, portable: dict) -> None:
         raise checkpoints.damage(path, checkpoints.PORTABLE_META, f"progress.{differ[0]}",
                                  f"{_show(portable['progress'].get(differ[0]))}, where {checkpoints.META} holds "
                                  f"{_show(meta['progress'].get(differ[0]))} (both are written from the same state)")
-    samples = meta["progress"].get("batches_in_epoch", 0) * meta["micro_batch_size"] * meta["world_size"]
+    samples = meta["progress"].get("batches_in_epoch", 0) * meta["micro_batch_size"] * _streams(meta)
     if portable["samples_in_epoch"] != samples:
         raise checkpoints.damage(path, checkpoints.PORTABLE_META, "samples_in_epoch",
                                  f"{portable['samples_in_epoch']}, where {checkpoints.META} places it {samples} "
@@ -436,7 +448,7 @@ def _check_counters(path: Path, name: str, meta: dict, progress: dict | None, sa
     if limits is not None and limits.epochs is not None and epoch >= limits.epochs:
         raise checkpoints.damage(path, name, "progress.epoch", f"{epoch}, where the recipe runs {limits.epochs} "
                                   "epoch(s), counted from 0")
-    samples = meta["micro_batch_size"] * meta["grad_accum"] * meta["world_size"]
+    samples = meta["micro_batch_size"] * meta["grad_accum"] * _streams(meta)
     per_step = samples * limits.row_len if limits is not None else math.inf  # each sample at most data.row_len tokens
     if progress.get("tokens", 0) > progress["step"] * per_step:
         raise checkpoints.damage(path, name, "progress.tokens", f"{progress['tokens']}, more than its "
@@ -451,7 +463,7 @@ def _check_place_in_epoch(path: Path, name: str, meta: dict, progress: dict, sam
     Counters that are plausible but not these would continue on another shuffle, or at another place in it.
     A stream's epochs have no known length: its counters are held to what its steps can have read."""
     step, epoch, placed = progress["step"], progress.get("epoch", 0), progress.get("batches_in_epoch", 0)
-    accum, per_round = meta["grad_accum"], meta["micro_batch_size"] * meta["world_size"]
+    accum, per_round = meta["grad_accum"], meta["micro_batch_size"] * _streams(meta)
     steps_an_epoch = math.ceil(samples_per_epoch / (per_round * accum)) if not math.isinf(samples_per_epoch) else 0
     if step == 0:
         expected_epoch, expected_place = 0, range(0, 1)

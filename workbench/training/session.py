@@ -351,7 +351,7 @@ class TrainingSession:
         checkpoint = self.resolved.resume.checkpoint
         if checkpoint is not None:
             how = checkpoints.load(accelerator, checkpoint, self.model, self.optimizer, self.scheduler, state,
-                                   cfg.micro_batch_size)
+                                   (cfg.micro_batch_size, self.layout.batch_streams(accelerator.num_processes)))
             self.metrics.truncate_after(state.step)
             accelerator.print(f"resumed from {checkpoint.path} at step {state.step} ({how})")
         elif self.main:
