@@ -56,15 +56,18 @@ def test_one_process_cannot_split_layers():
         train(Recipe.load(RECIPE, ["distributed.strategy=tp", *TP_READY, "training.max_steps=1"]), progress_bar=False)
 
 
-def test_the_estimate_splits_the_layers_weights_and_the_larger_lora_factor():
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_estimate_splits_the_layers_weights_the_larger_lora_factor_and_the_heads_activations(checkpointing):
     """8B in bfloat16 on two processes: the decoder layers' weights halve, the embeddings and head stay whole; of
-    each LoRA pair the larger factor halves."""
+    each LoRA pair the larger factor halves; of what a layer keeps for backward, the heads' and the MLP's share
+    halves, and a checkpointed layer's input (held whole by every process) does not."""
     from workbench.estimator.memory import _strategy, estimate
     from workbench.hardware.catalogue import get_device
     from workbench.spec.strategies import DDP
 
     recipe = Recipe.load("recipes/llama3.1-8b-qlora.yaml", ["adapter.method=lora", "quantization=null",
-                                                              "model.dtype=bfloat16"])
+                                                              "model.dtype=bfloat16",
+                                                              f"training.gradient_checkpointing={checkpointing}"])
     est = estimate(recipe, world_size=2, device="H100")
     dev = get_device("H100")
     whole, split = (_strategy(layout, est.terms, dev, 2, 1)["breakdown"] for layout in (DDP, TP))
@@ -72,7 +75,12 @@ def test_the_estimate_splits_the_layers_weights_and_the_larger_lora_factor():
     assert 0.8 < share < 0.95  # 32 layers of 218 M weights in 8.0 B: the rest is the 128k vocabulary's
     assert split["weights"] == math.ceil(whole["weights"] * (1 - share / 2))
     assert split["adapter"] < whole["adapter"] and split["optimizer"] < whole["optimizer"]
-    assert split["activations"] == whole["activations"]  # not divided yet: the estimate errs high
+    heads_and_mlp = est.terms["tp_split_saved_activations"]
+    if checkpointing:
+        assert heads_and_mlp == 0 and split["activations"] == whole["activations"]
+    else:  # q/k/v/o and the 14,336-wide MLP outweigh the norms and the 4,096-wide inputs q/k/v/gate/up read
+        assert 0.6 < heads_and_mlp / est.terms["saved_activations"] < 0.95
+        assert whole["activations"] - split["activations"] == heads_and_mlp - math.ceil(heads_and_mlp / 2)
 
 
 @pytest.mark.slow

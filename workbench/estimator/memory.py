@@ -324,6 +324,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         "trainable_params": trainable, "trainable_numels": numels, "weights": weights, "adapter": adapter,
         "gradients": gradients, "optimizer": optimizer, "activations": acts["saved"] + acts["loss"],
         "saved_activations": acts["saved"], "logits_and_loss": acts["loss"],
+        "tp_split_saved_activations": acts["tp_split_saved"],
         "activations_full_logits": acts["saved"] + acts["loss_full_logits"],
         "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
         **_gathered_bytes(recipe, info),
@@ -496,20 +497,29 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     for name, width in info.layer_norms:  # RMSNorm keeps an fp32 copy of its input (and rsqrt)
         rows = info.heads if "q_norm" in name else info.kv_heads if "k_norm" in name else 1
         layer += (4 * width + 4) * rows + (resid * width * rows if method == "full" else 0)  # + pre-weight
-    layer += a * (2 * q + 2 * kv) + 4 * info.heads  # q, k, v, the output (o_proj's input), log-sum-exp
+    # what tensor parallel splits by heads and by the MLP's width (each process holds its share): q, k, v, the
+    # output (o_proj's input), log-sum-exp, eager attention's probabilities, the MLP's outputs, and the inputs of
+    # the row-split layers; the rest (norms, the layer inputs the column-split layers read) stays whole
+    split = a * (2 * q + 2 * kv) + 4 * info.heads
     if recipe.model.attn == "eager":  # softmax probabilities in fp32 and cast back: B x heads x T x T
-        layer += info.heads * recipe.data.max_seq_len * (4 + a)
-    layer += mlp * info.intermediate * (3 if info.gated_mlp else 1)  # gate, up, activation outputs
+        split += info.heads * recipe.data.max_seq_len * (4 + a)
+    split += mlp * info.intermediate * (3 if info.gated_mlp else 1)  # gate, up, activation outputs
+    layer += split
     in_layer = [lin for lin in targets if lin.in_layer]
+    row_split = [lin for lin in in_layer if _row_split(lin)]
     if method == "full":
         layer += a * _distinct_inputs([lin for lin in info.linears if lin.in_layer])
+        split += a * _distinct_inputs([lin for lin in info.linears if lin.in_layer and _row_split(lin)])
     elif fast_lora_inputs(recipe):
         # the loop's fast path: the input stays in the autocast dtype; dropout keeps its output and, on a
         # CPU, the int64 positions it dropped (p of them); without dropout the input is shared
         if adapter.dropout > 0:
-            layer += sum(lin.in_features for lin in in_layer) * (a + (1 if on_gpu else 8 * adapter.dropout))
+            per_element = a + (1 if on_gpu else 8 * adapter.dropout)
+            layer += sum(lin.in_features for lin in in_layer) * per_element
+            split += sum(lin.in_features for lin in row_split) * per_element
         else:
             layer += a * _distinct_inputs(in_layer)
+            split += a * _distinct_inputs(row_split)
     elif autocast or adapter.dropout > 0 or resid != 4:
         # peft casts the input to fp32 (then autocast to 16 bit) or drops it out: a copy per module;
         # dropout also keeps its mask: bool on CUDA, on a CPU a float noise tensor, or with the fast paths the
@@ -517,8 +527,10 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
         sparse = train.fast_paths and method != "dora"
         mask = 0 if adapter.dropout == 0 else 1 if on_gpu else 8 * adapter.dropout if sparse else 4
         layer += sum(lin.in_features for lin in in_layer) * (lora + mask)
+        split += sum(lin.in_features for lin in row_split) * (lora + mask)
     else:
         layer += 4 * _distinct_inputs(in_layer)
+        split += 4 * _distinct_inputs(row_split)
     layer += sum(adapter.r * lora + (2 * a * lin.out_features if method == "dora" else 0) for lin in in_layer)
     checkpointed = resid * h  # only the layer input survives; backward recomputes the rest
     saved = tokens * (info.layers * (checkpointed if train.gradient_checkpointing else layer) + 4 * h)
@@ -556,8 +568,19 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
         copies += 2 * sum(adapter.r * (lin.in_features + lin.out_features) for lin in targets)
     if autocast and recipe.model.dtype == "float32" and method != "qlora":  # bf16 copies of fp32 weights
         copies += 2 * info.linear_params / (info.layers if train.gradient_checkpointing else 1)
+    # a checkpointed run keeps only each layer's input, which every tensor-parallel process holds whole
+    tp_split = 0 if train.gradient_checkpointing else tokens * info.layers * split
     return {"saved": int(saved), "loss": int(loss), "loss_full_logits": int(loss_full),
-            "autocast_copies": int(copies)}
+            "autocast_copies": int(copies), "tp_split_saved": int(tp_split)}
+
+
+# transformers' tensor-parallel plans split these by their input (rowwise); the other layers of a decoder layer
+# by their output (colwise), whose input every process holds whole
+ROW_SPLIT_LAYERS = ("o_proj", "down_proj", "out_proj", "fc2")
+
+
+def _row_split(lin) -> bool:
+    return lin.name.rsplit(".", 1)[-1] in ROW_SPLIT_LAYERS
 
 
 def fast_lora_inputs(recipe: Recipe) -> bool:
@@ -594,6 +617,8 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
         for key, share in (("weights", t["tp_split_weights"]), ("adapter", t["tp_split_adapter"]),
                            ("gradients", t["tp_split_adapter"]), ("optimizer", t["tp_split_adapter"])):
             part[key] = math.ceil(part[key] * (1 - share + share / group))
+        split = t["tp_split_saved_activations"]
+        t = {**t, "activations": t["activations"] - split + math.ceil(split / group)}
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"] + t["dequantized_copy"]
     # DeepSpeed's import is charged to its own layouts. (Accelerate's FSDP2 preparation imports it too, through a
     # check for its engine: FSDP runs hold it as well, which this does not count yet.)
