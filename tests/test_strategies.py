@@ -144,3 +144,23 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
     rows = {row["name"]: row for row in estimate(Recipe.load("recipes/tiny.yaml"), world_size=2, device="cpu").strategies}
     assert rows["zero2"]["breakdown"]["other"] > rows["ddp"]["breakdown"]["other"]
+
+
+@pytest.mark.parametrize("world, nodes", [(1, 1), (2, 1), (4, 2)])
+def test_every_layout_names_a_device_mesh_of_the_launch(world, nodes):
+    """The estimate's rows (the CLI's table, the UI's Estimate tab) name each layout's mesh; its sizes multiply to
+    the processes launched."""
+    import math
+
+    rows = estimate(Recipe.load(RECIPE), world_size=world, nodes=nodes, device="H100").strategies
+    assert rows
+    for row in rows:
+        assert math.prod(row["mesh"].values()) == world, row["name"]
+    meshes = {row["name"]: row["mesh"] for row in rows}
+    if world == 1:  # (the other layouts' rows are there for comparison: one process, no mesh)
+        assert meshes["single"] == {} and not any(meshes.values())
+    else:
+        assert meshes["ddp"] == {"dp": world} and meshes["fsdp"] == {"dp_shard": world}
+        assert meshes["tp"] == {"tp": world}
+    if nodes > 1:
+        assert meshes["fsdp_hybrid"] == {"dp_replicate": nodes, "dp_shard": world // nodes}

@@ -350,6 +350,9 @@ def test_estimate_with_the_real_estimator(h):
     assert (table["max micro-batch"] >= 1).all() and (table["max seq len"] >= 8).all()  # the planner's figures
     _, status, _ = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 3, 2, "h100", None, None)
     assert "wb-error" in status  # 3 devices cannot be split over 2 nodes
+    _, _, table = h.estimate((ROOT / "recipes/tiny.yaml").read_text(), 4, 2, "h100", None, None)
+    meshes = dict(zip(table["strategy"], table["mesh"]))  # each layout's device mesh beside its memory
+    assert meshes["fsdp_hybrid"] == "dp_replicate=2 x dp_shard=2" and meshes["tp"] == "tp=4"
 
 
 def test_charts_draw_empty_states():

@@ -23,6 +23,7 @@ from workbench.base import charts
 from workbench.base.errors import RecipeError, WorkbenchError, printable
 from workbench.rundir.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 from workbench.spec.objectives import OBJECTIVES
+from workbench.spec.strategies import mesh_text
 
 from . import form
 from .jobs import objective_of, registry_for, workbench_command
@@ -233,7 +234,8 @@ class Handlers:
         label = dev.get("name") or device or "device"
         fig = charts.memory_breakdown(data.get("strategies", []), data.get("recommended"), capacity, label)
         table = pd.DataFrame([{
-            "strategy": s["name"], "per device (GiB)": round(s.get("per_device_bytes", 0) / GIB, 3),
+            "strategy": s["name"], "mesh": mesh_text(s.get("mesh") or {}),
+            "per device (GiB)": round(s.get("per_device_bytes", 0) / GIB, 3),
             # what runs of this kind of layout measured against the estimate (workbench/estimator/calibration.py)
             "measured range (GiB)": "–".join(f"{b / GIB:.2f}" for b in s.get("per_device_range") or []) or None,
             "CPU RAM (GiB)": round((s.get("cpu_bytes") or 0) / GIB, 3), "fits": "yes" if s.get("fits") else "no",

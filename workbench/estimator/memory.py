@@ -32,7 +32,7 @@ from workbench.spec.formats import format_of
 from workbench.spec.model_configs import ModelInfo, chunked_loss, describe_model, lora_targets, named_in
 from workbench.spec.recipe import Recipe
 from workbench.spec.rope_scaling import context_length
-from workbench.spec.strategies import FSDP, PARTS, Layout, candidates, layout_problem
+from workbench.spec.strategies import FSDP, PARTS, Layout, candidates, layout_problem, mesh_text
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
@@ -107,7 +107,9 @@ class Estimate:
         for s in self.strategies:
             b = s["breakdown"]
             mark = "*" if s["name"] == self.recommended else ""
-            table.add_row(s["name"] + mark, format_bytes(s["per_device_bytes"]),
+            # its device mesh on the line below the name (the table is as wide as a terminal already)
+            table.add_row(f"{s['name']}{mark}\n{mesh_text(s.get('mesh') or {}, short=True)}",
+                          format_bytes(s["per_device_bytes"]),
                           "refused" if s.get("refused") else "yes" if s["fits"] else "no",
                           *(format_bytes(b[k]) for k in ("weights", "adapter", "gradients", "optimizer", "activations",
                                                   "other")), format_bytes(s["cpu_bytes"]),
@@ -650,8 +652,8 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
         loading = local * runtime + (t["checkpoint_bytes"] if layout.shards_weights else 0)
         cpu_bytes = max(training, loading)
     fits = (cpu_bytes if dev.kind == "cpu" else per_device) <= dev.memory
-    return {"name": layout.name, "per_device_bytes": int(per_device), "cpu_bytes": int(cpu_bytes), "fits": bool(fits),
-            "breakdown": {k: int(v) for k, v in breakdown.items()}}
+    return {"name": layout.name, "mesh": layout.mesh(world_size, nodes), "per_device_bytes": int(per_device),
+            "cpu_bytes": int(cpu_bytes), "fits": bool(fits), "breakdown": {k: int(v) for k, v in breakdown.items()}}
 
 
 def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: int, terms: dict,

@@ -72,6 +72,17 @@ class Layout:
         """Whether each process reads batches of its own (data parallel); a tensor-parallel group reads the same."""
         return not self.splits_layers
 
+    def mesh(self, world_size: int, nodes: int = 1) -> dict[str, int]:
+        """The device mesh this layout runs on `world_size` processes over `nodes` machines, by dimension (the
+        names accelerate's ParallelismConfig gives them; `dp` for DDP and ZeRO, whose engines keep no mesh)."""
+        if world_size == 1:
+            return {}
+        if self.splits_layers:
+            return {"tp": world_size}
+        if self.hybrid:
+            return {"dp_replicate": nodes, "dp_shard": world_size // nodes}
+        return {"dp_shard": world_size} if self.strategy == "fsdp" else {"dp": world_size}
+
     def batch_streams(self, world_size: int) -> int:
         """How many different batches a micro-batch round reads on `world_size` processes: one a process, or one
         a tensor-parallel group (all of them, today). A step's samples and a place in the epoch count in these."""
@@ -153,6 +164,17 @@ class Layout:
     def from_json(cls, data: dict) -> "Layout":
         return cls(data["strategy"], int(data.get("stage", 0)), bool(data.get("hybrid")),
                    bool(data.get("offload_optimizer")), bool(data.get("offload_params")))
+
+
+MESH_ABBREVIATIONS = {"dp_replicate": "rep", "dp_shard": "shard"}
+
+
+def mesh_text(mesh: dict[str, int], short: bool = False) -> str:
+    """A layout's device mesh (Layout.mesh) in a table cell: "dp_replicate=2 x dp_shard=4" ("rep2xshard4",
+    short); "-" for one process."""
+    if short:
+        return "x".join(f"{MESH_ABBREVIATIONS.get(name, name)}{size}" for name, size in mesh.items()) or "-"
+    return " x ".join(f"{name}={size}" for name, size in mesh.items()) or "-"
 
 
 SINGLE, DDP = Layout("single"), Layout("ddp")
