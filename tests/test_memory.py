@@ -614,3 +614,18 @@ def test_micro_batch_auto_is_estimated_at_one_sequence_and_split_per_layout(budg
         assert micro * accum == 24 and (micro <= limit or micro == 1)
         assert all(larger > limit for larger in (8, 12, 24, 6, 4, 3, 2) if larger > micro and 24 % larger == 0)
     assert any(note.startswith("training.micro_batch_size auto: the table holds one sequence") for note in est.notes)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_batch_size_beside_its_split_leaves_the_planner_and_the_layout_choice_their_sizes(world):
+    """training.batch_size is micro x accumulation: the planner's probes of other micro-batches (and `auto`'s
+    choice of layout, which reads them) must not trip over it. Resuming a 2-process `micro_batch_size: auto` run,
+    whose saved recipe holds 4 x 1 and batch_size 4, chooses its layout this way."""
+    from workbench.estimator.layout_choice import resolve
+
+    recipe = Recipe.load("recipes/tiny.yaml", ["training.micro_batch_size=4", "training.grad_accum=2",
+                                              "training.batch_size=8", "distributed.strategy=auto"])
+    plain = Recipe.load("recipes/tiny.yaml", ["training.micro_batch_size=4", "training.grad_accum=2"])
+    rows, plain_rows = (estimate(r, world_size=world, device="cpu").strategies for r in (recipe, plain))
+    assert [row["limits"] for row in rows] == [row["limits"] for row in plain_rows]
+    assert resolve(recipe, world, 1)[1].name == ("single" if world == 1 else "ddp")

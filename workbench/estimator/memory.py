@@ -252,6 +252,8 @@ def fit_limits(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, no
     0 where not even the smallest does.
     The same terms as the table, recomputed for each size tried (a doubling, then a bisection)."""
     cache: dict = {}
+    # the sizes tried are micro-batches on their own: a training.batch_size (micro x accumulation) would refuse them
+    recipe = recipe.override(training__batch_size=None) if recipe.training.batch_size is not None else recipe
     # no longer than the model's positions reach (stretched by model.rope_scaling)
     context = min(context_length(recipe.model, info.context) or MAX_SEQ_LEN, MAX_SEQ_LEN)
 
