@@ -249,6 +249,12 @@ def _edit(checkpoint, name: str, change) -> None:
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data))
+    _republish(checkpoint, name)
+
+
+def _republish(checkpoint, name: str) -> None:
+    """The manifest entry of a rewritten file, and run.json's digest of the record, made to match again."""
+    path = checkpoint / name
     meta_path = checkpoint / "workbench_checkpoint.json"
     meta = json.loads(meta_path.read_text())
     if name in meta.get("files", {}):
@@ -500,6 +506,28 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
 
     refused("foreign-unmarked", foreign_unmarked, r"is not one this run published \(run\.json names another record "
                                                   r"at step 2")
+
+    def published_as(checkpoints):
+        def tamper(checkpoint, run_dir):  # the foreign checkpoint, and run.json's names of its checkpoints rewritten
+            foreign_unmarked(checkpoint, run_dir)
+            record = run_dir.read_json()
+            if checkpoints is None:
+                del record["checkpoints"]
+            else:
+                record["checkpoints"] = checkpoints
+            run_dir.run_json.write_text(json.dumps(record))
+        return tamper
+
+    # a run that recorded its id publishes every checkpoint: none named, or only a later one, is an edited run.json
+    refused("unpublished", published_as(None), r"run\.json names none of its checkpoints \(checkpoints: missing")
+    refused("unpublished-empty", published_as([]), r"run\.json names none of its checkpoints")
+    refused("published-later", published_as({"1000000": "0" * 64}), r"run\.json names no checkpoint at step 2")
+    refused("published-superscript", published_as({"\u00b2": "0" * 64}), r"run\.json is damaged \(checkpoints: "
+                                                                        r"expected step numbers")
+    refused("published-huge", published_as({"9" * 5000: "0" * 64}), r"run\.json is damaged")
+    refused("nul-name", lambda c, _: _edit(c, "workbench_checkpoint.json",
+                                           lambda m: m["files"].update({"a\u0000b": [1, "0" * 64]})),
+            r"files\.'a\\x00b': names a file outside the checkpoint")
     refused("unlisted", lambda c, _: (c / "extra.bin").write_bytes(b"x"),
             r"files: the folder holds extra\.bin, which the record does not list")
     refused("swapped", lambda c, _: shutil.copy(step_4 / "optimizer.bin", c / "optimizer.bin"),
@@ -520,6 +548,14 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
         run_dir.run_json.write_text(json.dumps(record))
 
     refused("stripped", stripped, r"run\.json records no train_sha256, which it wrote before its first checkpoint")
+
+    def stripped_all(checkpoint, run_dir):  # and its names of the checkpoints and the base fingerprint too
+        stripped(checkpoint, run_dir)
+        record = run_dir.read_json()
+        del record["checkpoints"], record["summary"]["base_model"]
+        run_dir.run_json.write_text(json.dumps(record))
+
+    refused("stripped-all", stripped_all, r"run\.json records no train_sha256")
     secret = tmp_path / "secret.txt"
     secret.write_text("not the checkpoint's")
 
@@ -534,3 +570,22 @@ def test_a_checkpoint_is_its_runs_and_holds_the_files_it_wrote(tmp_path):
     refused("no-metrics", lambda c, r: (r.metrics.unlink(), _edit(c, "workbench_checkpoint.json",
                                                                    lambda m: m["progress"].update(skipped_steps=1))),
             r"progress\.skipped_steps: 1, where metrics\.jsonl, which records each skipped step, is missing")
+
+
+def test_the_exact_path_trains_with_the_recipes_optimizer_settings_whatever_optimizer_bin_holds(tmp_path):
+    """optimizer.bin carries its groups' settings, the rate included, which nothing compared with the recipe: the
+    first resumed step trained at a rate of 0.3 while metrics.jsonl logged the schedule's. The recipe's settings
+    and the schedule's rate are what a resumed run trains with."""
+    import torch
+
+    steps = ["training.max_steps=4", "output.save_every=2", "output.keep_last=3"]
+    whole = tmp_path / "whole"
+    run(whole, *steps)
+    target = interrupted_copy(whole, tmp_path / "tampered", 2)
+    checkpoint = RunDir(target).checkpoint(2)
+    state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+    state["param_groups"][0].update(lr=0.3, weight_decay=5.0, betas=(0.5, 0.5))
+    torch.save(state, checkpoint / "optimizer.bin")
+    _republish(checkpoint, "optimizer.bin")  # (a tamperer who knows the format)
+    run(target, *steps, resume=True)
+    assert losses(target) == pytest.approx(losses(whole), rel=1e-6)

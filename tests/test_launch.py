@@ -226,3 +226,26 @@ def test_hybrid_shard_needs_several_machines_of_several_processes(monkeypatch):
     with pytest.raises(RecipeError, match="distributed.fsdp.sharding: hybrid needs several machines"):
         hybrid_shard_config(recipe)
     assert hybrid_shard_config(Recipe.load(RECIPE)) is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge", "nan"])
+def test_a_deepspeed_file_that_is_no_config_is_one_line_without_waiting_or_filling_memory(tmp_path, kind):
+    """A FIFO blocked `validate` forever and /dev/zero read until memory ran out: only a regular file of a config's
+    size is read, and JSON's NaN is no number."""
+    import os
+
+    from workbench.spec.strategies import DEEPSPEED_FILE_LIMIT, read_deepspeed_file
+
+    path = tmp_path / "ds.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = "/dev/zero"
+    elif kind == "huge":
+        path.write_text('{"zero_optimization": {"stage": 2}, "pad": "' + "x" * DEEPSPEED_FILE_LIMIT + '"}')
+    else:
+        path.write_text('{"gradient_clipping": NaN}')
+    why = {"fifo": "not a regular file", "device": "not a regular file", "huge": "larger than 1024 KiB",
+           "nan": "NaN is not a JSON number"}[kind]
+    with pytest.raises(RecipeError, match=f"config_file: cannot read {path}: {why}"):
+        read_deepspeed_file(path)

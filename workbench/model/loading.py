@@ -222,6 +222,7 @@ def attach_adapter(model, recipe: Recipe, calibration=None):
     except ValueError as err:
         raise ModelError(f"adapter.target_modules: {err}") from None
     if tensor_parallel.is_split(model):
+        tensor_parallel.check_targets(model)
         tensor_parallel.global_lora_features(model)
         tensor_parallel.draw_as_one_process(model, drawn_from, config.init_lora_weights)
     # peft makes LoRA weights float32 but copies a modules_to_save module in the base's dtype: AdamW on 16-bit

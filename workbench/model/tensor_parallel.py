@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from workbench.base.errors import RecipeError
+
 
 def load_options(tp_size: int) -> dict:
     """from_pretrained's arguments that split the model over `tp_size` processes (none for one)."""
@@ -34,6 +36,26 @@ def global_lora_features(model) -> int:
                 module.in_features, module.out_features = in_features, out_features
                 changed += 1
     return changed
+
+
+def check_targets(model) -> None:
+    """Every LoRA layer sits on a linear layer the tensor-parallel plan split: an embedding's LoRA factors are drawn
+    apart from the linear ones' (the draws repeated for one process would shift), and a layer outside the plan
+    (the LM head) meets split inputs it was not written for. RecipeError naming the field otherwise."""
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.lora.model import get_tp_plan_and_mesh
+
+    base_model = model.get_base_model()
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        # the plan's style for this layer, as peft reads it to place the factors (it places colwise and rowwise)
+        style, _ = get_tp_plan_and_mesh(base_model, name.removeprefix("base_model.model."))
+        if module.lora_embedding_A or style not in ("colwise", "rowwise"):
+            leaf = name.rsplit(".", 1)[-1]
+            raise RecipeError(f"adapter.target_modules: {leaf} is not one of the linear layers tensor parallel "
+                              "splits (the decoder layers' projections); target those (e.g. all-linear), or use "
+                              "strategy fsdp")
 
 
 def whole_tensors(state: dict) -> dict:

@@ -227,7 +227,7 @@ class RunDir:
         found = []
         for child in self.checkpoints.iterdir():
             number = child.name.removeprefix(CHECKPOINT_PREFIX)
-            if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX) and number.isdigit():
+            if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX) and number.isascii() and number.isdigit():
                 found.append((int(number), child))
         return sorted(found)
 

@@ -47,4 +47,4 @@ def remove_leftovers(folder: Path) -> None:
 
 def _writer_pid(name: str) -> int | None:
     parts = name.removeprefix(".merging-").split("-") if name.startswith(".merging-") else name.split(".")[-3:-2]
-    return int(parts[0]) if parts and parts[0].isdigit() else None
+    return int(parts[0]) if parts and parts[0].isascii() and parts[0].isdigit() else None

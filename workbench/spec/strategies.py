@@ -12,6 +12,8 @@ schema.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -276,6 +278,9 @@ def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
                "dora": "DoRA's weight norm needs each whole row of the base weight",
                "full": "full fine-tuning under tensor parallel is not verified yet"}[recipe.adapter.method]
         return f"adapter.method: {recipe.adapter.method} under strategy tp: {why}; use method lora, or strategy fsdp"
+    if recipe.adapter.modules_to_save:
+        return ("adapter.modules_to_save: a module trained whole beside the adapter is not split by tensor parallel "
+                "(peft's copy of a split head fails); remove it, or use strategy fsdp")
     if recipe.training.fast_paths:
         return ("training.fast_paths: its per-sample attention and chunked LM head read whole weights, and under "
                 "strategy tp each process holds slices; set training.fast_paths: false")
@@ -320,11 +325,24 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 GATHER_KEYS = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
 
 
+DEEPSPEED_FILE_LIMIT = 1 << 20
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_deepspeed_file(path) -> DeepSpeedFile:
     """A DeepSpeed config_file's JSON and its ZeRO settings, or one error that names the file and the field."""
     try:
-        with open(path) as handle:
-            config = json.load(handle)
+        # a regular file of a config's size: a FIFO would block the reader forever, /dev/zero fill its memory
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError("not a regular file")
+        with open(path, "rb") as handle:
+            text = handle.read(DEEPSPEED_FILE_LIMIT + 1)
+        if len(text) > DEEPSPEED_FILE_LIMIT:
+            raise ValueError(f"larger than {DEEPSPEED_FILE_LIMIT // 1024} KiB, more than a DeepSpeed config holds")
+        config = json.loads(text, parse_constant=_no_constant)
     except (OSError, ValueError) as err:  # ValueError: bad JSON, or a NUL byte in the path
         raise RecipeError(f"distributed.deepspeed.config_file: cannot read {escaped(path)}: "
                           f"{getattr(err, 'strerror', None) or err}") from None

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import reprlib
 import shutil
 import time
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 META = "workbench_checkpoint.json"
 PORTABLE_TENSORS, PORTABLE_META = "portable.safetensors", "portable.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
+STEP_KEY = re.compile(r"[0-9]{1,18}")  # a step number as run.json names it (ASCII digits, a 64-bit count)
 _SHORT = reprlib.Repr()  # a value quoted in a message stays short, however big it is
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 2, 4, 4
 
@@ -97,8 +99,15 @@ def load(accelerator, plan: CheckpointChoice, model, optimizer, scheduler, progr
     """Restore the checkpoint `resume.choose` picked into this run; returns how ("exact" or "portable").
     batch: (micro_batch_size, batch streams) of this run (Layout.batch_streams)."""
     if plan.how == "exact":
+        settings = [{k: v for k, v in group.items() if k != "params"}  # the recipe's
+                    for group in _torch_optimizer(optimizer).param_groups]
         accelerator.load_state(str(plan.path), **_layout_of(plan).load_state_options)
         _load_schedule(scheduler, plan.meta["scheduler"])
+        # the optimizer's settings stay the recipe's and its rates the schedule's: optimizer.bin carries its own
+        # (the step's rate among them), which nothing else checks and the first resumed step would train at
+        groups = _torch_optimizer(optimizer).param_groups  # (loading replaced the groups)
+        for group, setting, rate in zip(groups, settings, scheduler.get_last_lr()):
+            group.update(setting, lr=rate)
         progress.load_state_dict(plan.meta["progress"])
     else:
         _load_portable(accelerator, plan, model, optimizer, scheduler, progress, *batch)
@@ -116,17 +125,20 @@ def manifest(folder: Path) -> dict[str, list]:
             for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)}
 
 
-def check_published(path: Path, step: int, published: dict | None) -> None:
-    """The checkpoint is one this run published: run.json names its record's digest. A run whose run.json names
-    none (an earlier version's) is not checked, nor a checkpoint older than the first it names."""
-    if not published:
+def check_published(path: Path, step: int, published: dict | None, required: bool = False) -> None:
+    """The checkpoint is one this run published: run.json names its record's digest. `required`: the run is one
+    this version wrote (resume.ResumePlan.records_checkpoints), which publishes every checkpoint it continues from;
+    otherwise (an earlier version's run) a run.json that names none is not checked."""
+    if not published and not required:
         return
-    if not isinstance(published, dict) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, str)
+    if not published:
+        raise WorkbenchError("--resume: the run's run.json names none of its checkpoints (checkpoints: missing or "
+                             "empty), where the run recorded each as it saved it; restore it, or start the run "
+                             "again (--overwrite)")
+    if not isinstance(published, dict) or not all(isinstance(k, str) and STEP_KEY.fullmatch(k) and isinstance(v, str)
                                                    for k, v in published.items()):
         raise WorkbenchError("--resume: the run's run.json is damaged (checkpoints: expected step numbers naming "
                              "digests); restore it, or start the run again (--overwrite)")
-    if step < min(int(k) for k in published):
-        return
     if published.get(str(step)) != manifest_digest(path / META):
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} is not one this run published (run.json names "
                              f"{'another record' if str(step) in published else 'no checkpoint'} at step {step}: "
@@ -148,13 +160,15 @@ def check_files(path: Path, meta: dict) -> None:
     for name, (size, sha256) in recorded.items():
         file = path / name
         # a record names files of its own folder only: nothing outside it is read, through a name or a link
-        if Path(name).is_absolute() or ".." in Path(name).parts or not file.resolve().is_relative_to(inside):
+        if "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts or \
+                not file.resolve().is_relative_to(inside):
             raise damage(path, META, f"files.{_key(name)}", "names a file outside the checkpoint")
         if not file.is_file():
             raise damage(path, META, f"files.{_key(name)}", "recorded, and missing from the folder")
-        if file.stat().st_size != size or manifest_digest(file) != sha256:
+        held = file.stat().st_size
+        if held != size or manifest_digest(file) != sha256:
             raise damage(path, META, f"files.{_key(name)}", f"the file holds other bytes than were written "
-                         f"({file.stat().st_size} bytes, recorded {size})")
+                         f"({held} bytes, recorded {size})")
 
 
 def manifest_digest(file: Path) -> str:
@@ -199,7 +213,7 @@ def _check_schedule(path: Path, name: str, scheduler: dict, step: int) -> None:
 def _folder_step(path: Path, otherwise: int | None) -> int | None:
     """The step the checkpoint's folder is named after (step-N); `otherwise` for a folder named otherwise."""
     number = path.name.removeprefix(CHECKPOINT_PREFIX)
-    return int(number) if number.isdigit() else otherwise
+    return int(number) if number.isascii() and number.isdigit() else otherwise
 
 
 def _check_progress(path: Path, name: str, progress: dict, step: int) -> None:

@@ -130,9 +130,25 @@ class ResumePlan:
                 "three hold, or start a new run")
         return before
 
+    @property
+    def records_checkpoints(self) -> bool:
+        """Whether the run is one this version wrote: it records its id as it starts, and its hashes and base
+        fingerprint, and publishes each checkpoint in run.json (a run from before ids records none of these)."""
+        return isinstance(self.recorded.get("run_id"), str) or bool(self.published)
+
+    def publishing(self) -> dict:
+        """run.json's addition as this run takes the directory over: the checkpoint it continues from, published
+        where an earlier version wrote it unpublished (from here on every checkpoint of the run is named)."""
+        if self.checkpoint is None:
+            return {}
+        step = str(self.checkpoint.meta["step"])
+        if step in (self.published or {}):
+            return {}
+        return {"checkpoints": {step: checkpoints.manifest_digest(self.checkpoint.path / checkpoints.META)}}
+
     def check_data(self, stats: dict) -> None:
         """A resumed run trains on the bytes it started on: a data file changed since then is refused."""
-        if self.published:  # this version's run records each hash before its first checkpoint
+        if self.records_checkpoints:  # this version's run records each hash before its first checkpoint
             missing = [key for key in ("train_sha256", "eval_sha256", "chat_template_sha256")
                        if stats.get(key) and not self.recorded.get(key)]
             if missing:
@@ -152,7 +168,7 @@ class ResumePlan:
     def check_base_model(self, path: str) -> None:
         """A resumed run trains against the base weights it started on: a model.path folder whose files hold
         other bytes since then is refused."""
-        if self.published and "base_model" not in self.recorded:  # written as the run starts
+        if self.records_checkpoints and "base_model" not in self.recorded:  # written as the run starts
             raise WorkbenchError("--resume: the run's run.json records no base_model fingerprint, which it wrote "
                                  "as it started (it was edited); restore it, or start the run again (--overwrite)")
         if base_fingerprint.changed(self.recorded.get("base_model"), path):
@@ -168,7 +184,7 @@ class ResumePlan:
             run_id = self.recorded.get("run_id")
             self.checkpoint = choose(latest[1], layout, world_size, micro_batch, samples_per_epoch, model, lr_groups,
                                      self.limits, run_id=run_id if isinstance(run_id, str) else None,
-                                     published=self.published)
+                                     published=self.published, required=self.records_checkpoints)
             self._check_skipped_steps()
 
     def _check_skipped_steps(self) -> None:
@@ -317,7 +333,7 @@ def _continues_mid_epoch(samples_in_epoch: int, samples_per_epoch: float, micro_
 
 def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, samples_per_epoch: float,
            model, lr_groups: list[tuple[float, float | None]], limits: Limits | None = None,
-           run_id: str | None = None, published: dict | None = None) -> CheckpointChoice:
+           run_id: str | None = None, published: dict | None = None, required: bool = False) -> CheckpointChoice:
     """Check that the checkpoint at `path` can continue as this run (layout, process count, micro-batch, the
     optimizer's parameter groups, `lr_groups`: (peak rate, scale) each) and that the files it needs are whole; WorkbenchError naming both
     sides otherwise. Reads files only."""
@@ -326,7 +342,7 @@ def choose(path: Path, layout: Layout, world_size: int, micro_batch: int, sample
         raise WorkbenchError(f"--resume: checkpoint {escaped(path)} was written by another run (run id "
                              f"{meta['run_id'][:12]}, where this run's run.json records "
                              f"{(run_id or 'none')[:12]}); only the run's own checkpoints continue it")
-    checkpoints.check_published(path, meta["step"], published)  # (one of a copy of the run, or edited)
+    checkpoints.check_published(path, meta["step"], published, required)  # (one of a copy of the run, or edited)
     pickles = checkpoints.pickled_files(path)
     if pickles and ("progress" in meta or not meta.get("portable")):
         raise WorkbenchError(

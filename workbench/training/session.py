@@ -295,7 +295,8 @@ class TrainingSession:
             self.summary.run_id = (self.resolved.resume.recorded.get("run_id") if self.resume else None) or \
                 uuid.uuid4().hex
             self.summary.owner = process_owner()
-            run.update_json(env=environment(self.accelerator), summary=self.summary.at_start())
+            run.update_json(env=environment(self.accelerator), summary=self.summary.at_start(),
+                            **self.resolved.resume.publishing())
         self.accelerator.wait_for_everyone()
         self.taken = True
 
