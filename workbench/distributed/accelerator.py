@@ -17,6 +17,7 @@ from types import MethodType
 import torch
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.distributed.pipeline import gather_on_main
 from workbench.distributed.trackers import tensorboard_dir
 from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
                                         world_size_from_env)
@@ -179,8 +180,6 @@ def full_state_dict(accelerator, model) -> dict:
     and asking Accelerate would import DeepSpeed (see `unwrap`). Tensor-parallel slices are gathered whole on every
     process, a pipeline's trainable tensors from every stage on the main process (every process calls this)."""
     if pipeline_stages(accelerator) > 1:  # (the frozen base is not gathered: the adapter is saved from this)
-        from workbench.distributed.pipeline import gather_on_main
-
         return gather_on_main(accelerator, {name: p for name, p in model.named_parameters() if p.requires_grad}) or {}
     if batch_replicas(accelerator) > 1:
         return whole_tensors(unwrap(accelerator, model).state_dict())

@@ -26,14 +26,6 @@ from workbench.data.tokens import IGNORE
 from workbench.model import pipeline_stages
 from workbench.model.lm_loss import causal_lm_of
 
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The share of a step each stage idles while the pipeline fills and drains: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
 class Pipeline:
     """This process's stage and the schedule that runs a step's micro-batches through every stage."""
 

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from workbench.base.errors import WorkbenchError, escaped, reported_as_write_error
 from workbench.distributed.accelerator import unwrap
+from workbench.distributed.pipeline import gather_on_main
 from workbench.rundir.runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
 from workbench.spec.strategies import Layout
 
@@ -444,8 +445,6 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
                 tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
         return tensors if accelerator.is_main_process else None
     if layout.pipelines:  # each stage holds its own parameters and their moments: gathered on the main process
-        from workbench.distributed.pipeline import gather_on_main
-
         state = _torch_optimizer(optimizer).state
         for name, param in named:
             tensors[f"weight/{name}"] = param.detach().float().contiguous()
