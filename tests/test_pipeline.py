@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from test_distributed import COMMON, RECIPE, adapter, assert_close_adapters, launch, losses
+from test_distributed import RECIPE, adapter, assert_close_adapters, launch, losses
 from workbench import Recipe, RecipeError, train
 from workbench.data.tokens import IGNORE
 from workbench.model import pipeline_stages

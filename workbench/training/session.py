@@ -450,7 +450,7 @@ class TrainingSession:
 
     def accumulate(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over one step's micro-batches: the step's loss, and its sums for the next row."""
-        accelerator, state, objective = self.accelerator, self.state, self.objective
+        accelerator, objective = self.accelerator, self.objective
         step_loss = torch.zeros((), device=accelerator.device)
         step_sums = torch.zeros_like(self.window_sums)
         # what the step's loss is normalised by (its target tokens, or pairs), over every rank. A stand-in counts
