@@ -262,7 +262,7 @@ def test_the_estimator_marks_a_layout_the_recipe_cannot_run():
 
     est = estimate(tiny("adapter.init=olora"), world_size=2)
     refused = {s["name"]: s["refused"] for s in est.strategies if s["refused"]}
-    assert set(refused) == {"zero3", "zero3_offload", "tp"} and est.recommended not in refused
+    assert set(refused) == {"zero3", "zero3_offload", "tp", "pp"} and est.recommended not in refused
     assert "zero3 refused: adapter.init: olora decomposes" in est.to_text(width=300)
 
 

@@ -91,8 +91,9 @@ def test_compatibility_is_checked_on_the_resolved_layout(tmp_path):
 
 
 def test_the_estimator_and_auto_consider_the_same_layouts():
+    """... and the estimator shows pipeline parallel after them, which `auto` never chooses (named only)."""
     names = [s["name"] for s in estimate(tiny(), world_size=4, nodes=2, device="cpu").strategies]
-    assert names == [layout.name for layout in candidates(4, 2)]
+    assert names == [layout.name for layout in candidates(4, 2)] + ["pp"]
     assert "fsdp_hybrid" in names and names[0] == "ddp"
 
 
@@ -161,6 +162,6 @@ def test_every_layout_names_a_device_mesh_of_the_launch(world, nodes):
         assert meshes["single"] == {} and not any(meshes.values())
     else:
         assert meshes["ddp"] == {"dp": world} and meshes["fsdp"] == {"dp_shard": world}
-        assert meshes["tp"] == {"tp": world}
+        assert meshes["tp"] == {"tp": world} and meshes["pp"] == {"pp": world}
     if nodes > 1:
         assert meshes["fsdp_hybrid"] == {"dp_replicate": nodes, "dp_shard": world // nodes}

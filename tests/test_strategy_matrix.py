@@ -1,10 +1,10 @@
 """Every layout against one process, for real (gloo, builtin:tiny, float32): DDP, FSDP2 full and hybrid, ZeRO-1/2/3,
-each with and without gradient accumulation, LoRA and 4-bit QLoRA, and tensor parallel; resumed on another process
+each with and without gradient accumulation, LoRA and 4-bit QLoRA, tensor parallel and pipeline parallel; resumed on another process
 count and layout; `auto` choosing a sharded layout when no replica fits.
 
 Two data-parallel processes with micro-batch b follow one process with micro-batch 2b: the same samples make each
 step, and the loss is normalised over the step's target tokens on every rank. Two tensor-parallel processes read one
-batch stream together: with micro-batch 2b, as one process. Judged from what the ranks recorded (run.json,
+batch stream together: with micro-batch 2b, as one process; so do a pipeline's two stages. Judged from what the ranks recorded (run.json,
 metrics.jsonl, the adapter), never from the launch flags. One launch per family of layouts trains all of its cells
 in turn (tests/strategy_worker.py): importing the stack is most of a small run's time.
 """
@@ -51,9 +51,13 @@ OBJECTIVE_LAYOUTS = ("ddp", "zero3", "fsdp")
 def method_cells(layout: str) -> list[tuple[str, int]]:
     """(method, grad_accum) on a layout: LoRA and QLoRA with and without accumulation; ZeRO-1 runs LoRA alone (its
     4-bit weights take ZeRO-2's path: the stages differ in how gradients are partitioned, not in the weights);
-    tensor parallel runs LoRA (it refuses 4-bit weights), its accumulation in tests/test_tensor_parallel.py."""
+    tensor parallel runs LoRA (it refuses 4-bit weights), its accumulation in tests/test_tensor_parallel.py; pipeline
+    parallel runs LoRA with the step's two micro-batches flowing through its two stages (1F1B needs a micro-batch a
+    stage at least)."""
     if layout == "tp":
         return [("lora", 1)]
+    if layout == "pp":
+        return [("lora", 2)]
     return [(m, ga) for m in METHODS for ga in (1, 2) if not (layout == "zero1" and m == "qlora")]
 LAYOUTS = {
     "ddp": ["distributed.strategy=ddp"],
@@ -63,8 +67,10 @@ LAYOUTS = {
     "fsdp": ["distributed.strategy=fsdp"],
     # its per-sample attention and chunked head read whole weights: off (strategies._tensor_parallel_problem)
     "tp": ["distributed.strategy=tp", "training.fast_paths=false"],
+    # the fast paths on: the per-sample attention on every stage, the chunked head in the last stage's loss
+    "pp": ["distributed.strategy=pp"],
 }
-FAMILIES = {"ddp": ["ddp"], "deepspeed": ["zero1", "zero2", "zero3"], "fsdp": ["fsdp"], "tp": ["tp"]}
+FAMILIES = {"ddp": ["ddp"], "deepspeed": ["zero1", "zero2", "zero3"], "fsdp": ["fsdp"], "tp": ["tp"], "pp": ["pp"]}
 GLOBAL_BATCH = 4  # samples per step in every cell
 # an epoch that ends on a short step: 9 rows make steps of 4, 4 and 1 samples, then step 4 starts the next epoch (with
 # one process a micro-batch over, the others run a stand-in that adds nothing)
@@ -87,7 +93,8 @@ def adapter_atol(method: str) -> float:
 
 
 def batch(grad_accum: int, world: int, layout: str = "ddp") -> list[str]:
-    streams = 1 if layout == "tp" else world  # a tensor-parallel group reads one batch stream (Layout.batch_streams)
+    # a tensor-parallel group, and a pipeline's stages, read one batch stream (Layout.batch_streams)
+    streams = 1 if layout in ("tp", "pp") else world
     return [f"training.grad_accum={grad_accum}", f"training.micro_batch_size={GLOBAL_BATCH // grad_accum // streams}"]
 
 
@@ -196,11 +203,14 @@ def test_two_processes_follow_one_with_the_double_batch(matrix, layout, method, 
     assert str(cell) not in refused, refused.get(str(cell))
     s = summary_of(cell)
     assert (s["world_size"], s["layout"]["name"]) == (2, layout)
-    assert s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP", "tp": "MULTI_GPU"}.get(layout, "DEEPSPEED")
+    assert s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP", "tp": "MULTI_GPU",
+                                     "pp": "MULTI_CPU"}.get(layout, "DEEPSPEED")
     if layout in ("fsdp", "zero3"):
         assert max(s["param_elements_per_rank"]) < 0.55 * s["params"]  # the weights really are split
     elif layout == "tp":  # slices of every decoder layer; the embeddings and head (most of the tiny model) whole
         assert max(s["param_elements_per_rank"]) < s["params"]
+    elif layout == "pp":  # a stage each: a decoder layer, and the embeddings on the first, the norm and head on the last
+        assert sum(s["param_elements_per_rank"]) == s["params"] and max(s["param_elements_per_rank"]) < 0.55 * s["params"]
     else:
         a, b = s["trainable_checksum_per_rank"]
         assert a == b  # replicas hold identical adapters
@@ -276,7 +286,7 @@ def test_sharded_adapters_load_in_one_process(matrix, tiny_path):
     from transformers import AutoModelForCausalLM
 
     root, _ = matrix
-    for cell in ("fsdp-lora-ga1", "zero3-lora-ga2"):
+    for cell in ("fsdp-lora-ga1", "zero3-lora-ga2", "pp-lora-ga2"):
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), root / cell / "adapter")
         loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
         assert len(loaded) == len(adapter(root / cell)) > 0
@@ -307,6 +317,8 @@ RESUMES = [  # copy of, resumed on (layout, processes)
     ("zero3-lora-ga2", "zero3", 2), ("single-dpo-ga2", "ddp", 2), ("zero3-orpo-ga1", "zero3", 2),
     # tensor parallel's checkpoints hold the portable copy alone: within the layout, out of it and into it
     ("tp-lora-ga1", "tp", 2), ("tp-lora-ga1", "single", 1), ("single-lora-ga2", "tp", 2),
+    # so do a pipeline's: gathered from its stages, each stage loading its own parameters' tensors
+    ("pp-lora-ga2", "pp", 2), ("pp-lora-ga2", "single", 1), ("single-lora-ga2", "pp", 2),
 ]
 
 

@@ -17,6 +17,7 @@ from types import MethodType
 import torch
 
 from workbench.base.errors import RecipeError, WorkbenchError
+from workbench.distributed.pipeline import gather_on_main
 from workbench.distributed.trackers import tensorboard_dir
 from workbench.hardware.current import (available_cpus, local_kind, node_count, process_alive, processes_per_node,
                                         world_size_from_env)
@@ -72,7 +73,10 @@ def build_accelerator(recipe: Recipe, project_dir: str, layout: Layout):
     build = _ENGINES.get(layout.strategy)
     if build is None:
         raise RecipeError(f"distributed.strategy: unknown strategy {layout.strategy}")
-    return Accelerator(**common, **build(recipe, startup, on_gpu))
+    accelerator = Accelerator(**common, **build(recipe, startup, on_gpu))
+    # accelerate has no pipeline of its own: the stage count is kept beside it, for the helpers below
+    accelerator.workbench_pipeline_stages = accelerator.num_processes if layout.pipelines else 1
+    return accelerator
 
 
 # -- each strategy's Accelerator arguments: one builder per strategy word (strategies.py holds the layouts) ------
@@ -117,7 +121,9 @@ def _tp(recipe: Recipe, startup: timedelta, on_gpu: bool) -> dict:
             "kwargs_handlers": [InitProcessGroupKwargs(timeout=startup)]}
 
 
-_ENGINES = {"single": _single, "ddp": _ddp, "deepspeed": _deepspeed, "fsdp": _fsdp, "tp": _tp}
+# pipeline parallel: DDP's process group and device (gloo on a CPU); the model is never wrapped (accelerate has no
+# pipeline: torch.distributed.pipelining runs it, workbench/distributed/pipeline.py)
+_ENGINES = {"single": _single, "ddp": _ddp, "deepspeed": _deepspeed, "fsdp": _fsdp, "tp": _tp, "pp": _ddp}
 
 
 def host_transfer(device_type: str) -> dict:
@@ -172,7 +178,9 @@ def unwrap(accelerator, model, keep_fp32_wrapper: bool = True):
 def full_state_dict(accelerator, model) -> dict:
     """accelerator.get_state_dict (whole weights on the main process); a model no engine shards holds them itself,
     and asking Accelerate would import DeepSpeed (see `unwrap`). Tensor-parallel slices are gathered whole on every
-    process (every process calls this)."""
+    process, a pipeline's trainable tensors from every stage on the main process (every process calls this)."""
+    if pipeline_stages(accelerator) > 1:  # (the frozen base is not gathered: the adapter is saved from this)
+        return gather_on_main(accelerator, {name: p for name, p in model.named_parameters() if p.requires_grad}) or {}
     if batch_replicas(accelerator) > 1:
         return whole_tensors(unwrap(accelerator, model).state_dict())
     if "deepspeed" in sys.modules or accelerator.is_fsdp2:
@@ -183,7 +191,8 @@ def full_state_dict(accelerator, model) -> dict:
 def clip_gradients(accelerator, model, max_norm: float) -> torch.Tensor:
     """accelerator.clip_grad_norm_, whose torch norm cannot mix a tensor-parallel model's DTensor slices with its
     whole (replicated) tensors: there the norm is summed from each gradient's own (a slice's gathered from its
-    pieces), and each gradient scaled as torch scales it (max_norm / (norm + 1e-6), at most 1)."""
+    pieces), and each gradient scaled as torch scales it (max_norm / (norm + 1e-6), at most 1). A pipeline's
+    stages hold different parameters: their squared norms are summed over the stages."""
     if batch_replicas(accelerator) == 1:
         return accelerator.clip_grad_norm_(model.parameters(), max_norm)
     from torch.distributed.tensor import DTensor
@@ -191,7 +200,10 @@ def clip_gradients(accelerator, model, max_norm: float) -> torch.Tensor:
     accelerator.unscale_gradients()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     squares = [(g.norm(2).full_tensor() if isinstance(g, DTensor) else g.norm(2)).double() ** 2 for g in grads]
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if pipeline_stages(accelerator) > 1:
+        total = accelerator.reduce(total.to(accelerator.device), reduction="sum")
+    total = total.sqrt()
     scale = min(1.0, max_norm / (float(total) + 1e-6))
     if scale < 1.0:
         for grad in grads:
@@ -199,9 +211,17 @@ def clip_gradients(accelerator, model, max_norm: float) -> torch.Tensor:
     return total.float()
 
 
+def pipeline_stages(accelerator) -> int:
+    """The pipeline's stages (strategy pp: one a process); 1 for every other layout."""
+    return getattr(accelerator, "workbench_pipeline_stages", 1)
+
+
 def batch_replicas(accelerator) -> int:
     """Processes that read the same batches: a tensor-parallel group computes one batch together
-    (accelerate's parallelism config says how many); 1 for data parallel layouts."""
+    (accelerate's parallelism config says how many), a pipeline's stages each compute a part of it; 1 for data
+    parallel layouts."""
+    if pipeline_stages(accelerator) > 1:
+        return pipeline_stages(accelerator)
     config = getattr(accelerator, "parallelism_config", None)
     return int(getattr(config, "tp_size", 1) or 1) if config is not None else 1
 
@@ -215,7 +235,8 @@ def batch_readers(accelerator) -> tuple[int, int]:
 
 def sum_of_batches(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     """The sum over processes of what each process's batches gave, each batch counted once (a tensor-parallel
-    group's processes read the same batch and hold the same sums)."""
+    group's processes read the same batch and hold the same sums; a pipeline's stages hold the sums the last one
+    broadcast)."""
     total = accelerator.reduce(tensor, reduction="sum")
     replicas = batch_replicas(accelerator)
     return total / replicas if replicas > 1 else total

@@ -32,7 +32,7 @@ from workbench.spec.formats import format_of
 from workbench.spec.model_configs import ModelInfo, chunked_loss, describe_model, lora_targets, named_in
 from workbench.spec.recipe import Recipe
 from workbench.spec.rope_scaling import context_length
-from workbench.spec.strategies import FSDP, PARTS, Layout, candidates, layout_problem, mesh_text
+from workbench.spec.strategies import FSDP, PARTS, PP, Layout, candidates, layout_problem, mesh_text
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUDA_CONTEXT = 500 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside PyTorch's allocator
@@ -156,7 +156,8 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
         recipe = batch_split.provisional(recipe)
     recipe, precision, info, attention, dev = _as_run_there(recipe, device, device_memory)
     terms = single_device_terms(recipe, info, dev)
-    layouts = candidates(world_size, nodes)
+    # a pipeline is never chosen by `auto`: its row is shown beside the candidates, last
+    layouts = candidates(world_size, nodes) + ([PP] if world_size > 1 else [])
     strategies = [_strategy(layout, terms, dev, world_size, nodes) for layout in layouts]
     for row, limits, layout in zip(strategies, fit_limits(recipe, info, dev, world_size, nodes, layouts), layouts):
         row["limits"] = limits
@@ -179,6 +180,12 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     throughput = _throughput(recipe, info, dev, world_size, price_per_gpu_hour)
     notes = [*precision.warnings, *filter(None, [dense_mask_warning(attention, dev.kind)]),
              *_notes(strategies, recommended, dev, world_size, terms, recipe)]
+    if world_size > 1:
+        m, schedule = recipe.training.grad_accum, recipe.distributed.pipeline.schedule
+        notes.append(f"pp: {world_size} stages over {m} micro-batch(es) a step ({schedule}): each stage idles about "
+                     f"{pipeline_bubble(world_size, m):.0%} of a step while the pipeline fills and drains (the "
+                     "bubble, (stages - 1) / (micro-batches + stages - 1)); it pays where the layers do not fit one "
+                     "device, across machines for very deep models")
     device_json["precision"] = precision.to_json()
     device_json["attention"] = attention.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
@@ -344,6 +351,7 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
         "initial_adapter": start["kept_bytes"], "init_transient": start["transient_bytes"],
         "init_flops": start["flops"],
         **_tensor_parallel_shares(recipe, info, targets, weights),
+        **_pipeline_shares(recipe, info),
     }
     if dev.kind == "cpu":
         # glibc keeps freed heap pages between steps: per-step tensors cost more RSS than their size.
@@ -437,6 +445,47 @@ def _tensor_parallel_shares(recipe: Recipe, info: ModelInfo, targets, weights: i
     factors = sum(i + o for i, o in pairs)
     return {"tp_split_weights": min(1.0, split * DTYPE_BYTES[recipe.model.dtype] / weights) if weights else 0.0,
             "tp_split_adapter": sum(max(i, o) for i, o in pairs) / factors if factors else 0.0}
+
+
+def _pipeline_shares(recipe: Recipe, info: ModelInfo) -> dict:
+    """What a pipeline stage holds (model/pipeline_stages.py): its decoder layers, the embeddings on the first
+    stage, the head on the last (its own copy where tied: each stage keeps the modules it runs), as fractions of
+    the whole model's parameters; and the step's micro-batches and schedule, which decide the activations in
+    flight."""
+    head = next((lin for lin in info.linears if lin.name == info.head), None)
+    head_params = info.embedding_params if info.tied_embeddings else (
+        head.in_features * head.out_features if head is not None else 0)
+    whole = max(1, info.params)
+    return {"pp_embedding_share": info.embedding_params / whole, "pp_head_share": head_params / whole,
+            "pp_layers_share": max(0, info.params - vocabulary_params(info)) / whole, "pp_layers": info.layers,
+            "pp_micro_batches": recipe.training.grad_accum,
+            "pp_gpipe": int(recipe.distributed.pipeline.schedule == "gpipe"),
+            # the hidden states a stage receives (and sends) per micro-batch
+            "pp_boundary": recipe.training.micro_batch_size * recipe.data.row_len * info.hidden * 4}
+
+
+def pipeline_stage_bytes(t: dict, stages: int) -> dict:
+    """The largest stage's weights, adapter share and activations under strategy pp (first or last: the first
+    takes the layers' remainder and the embeddings and keeps the most micro-batches in flight, the last the
+    head and the loss). The rows of a 1F1B stage i keep at most (stages - i) micro-batches' activations (the
+    first stage: as many as there are stages), a GPipe stage every one of the step's."""
+    layers, m = max(1, t["pp_layers"]), max(1, t["pp_micro_batches"])
+    first_layers, last_layers = -(-layers // stages), layers // stages
+    in_flight_first = m if t["pp_gpipe"] else min(stages, m)
+    in_flight_last = m if t["pp_gpipe"] else 1
+    per_layer = t["saved_activations"] / layers
+    rows = []
+    for own, share, in_flight, loss in ((first_layers, t["pp_embedding_share"], in_flight_first, 0),
+                                        (last_layers, t["pp_head_share"], in_flight_last, t["logits_and_loss"])):
+        weight_share = own / layers * t["pp_layers_share"] + share
+        activations = in_flight * (own * per_layer + loss) + m * t["pp_boundary"]
+        rows.append({"weights": t["weights"] * weight_share, "layers": own / layers, "activations": activations})
+    return max(rows, key=lambda row: row["weights"] + row["activations"])
+
+
+def pipeline_bubble(stages: int, micro_batches: int) -> float:
+    """The share of a step each stage idles while the pipeline fills and drains: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
 
 
 def weight_bytes(recipe: Recipe, info: ModelInfo) -> int:
@@ -623,6 +672,12 @@ def _strategy(layout: Layout, t: dict, dev: Device, world_size: int, nodes: int)
             part[key] = math.ceil(part[key] * (1 - share + share / group))
         split = t["tp_split_saved_activations"]
         t = {**t, "activations": t["activations"] - split + math.ceil(split / group)}
+    if layout.pipelines:  # the largest stage: its layers (and embeddings or head), their adapter, its micro-batches
+        stage = pipeline_stage_bytes(t, world_size)
+        part["weights"] = math.ceil(stage["weights"])
+        for key in ("adapter", "gradients", "optimizer"):
+            part[key] = math.ceil(part[key] * stage["layers"])
+        t = {**t, "activations": int(stage["activations"])}
     other = t["runtime"] + t["autocast_copies"] + t["allocator"] + t["loading"] + t["dequantized_copy"]
     # DeepSpeed's import is charged to its own layouts. (Accelerate's FSDP2 preparation imports it too, through a
     # check for its engine: FSDP runs hold it as well, which this does not count yet.)

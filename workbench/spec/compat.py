@@ -77,8 +77,8 @@ def check_recipe(recipe: "Recipe") -> None:
             "training.mixed_precision: fp16 autocast over bfloat16 weights mixes two half types; "
             "use mixed_precision: bf16 or model.dtype: float16"
         )
-    if dist.strategy in ("single", "ddp", "fsdp", "tp") or (dist.strategy == "deepspeed" and
-                                                            not dist.deepspeed.config_file):
+    if dist.strategy in ("single", "ddp", "fsdp", "tp", "pp") or (dist.strategy == "deepspeed" and
+                                                                  not dist.deepspeed.config_file):
         # a named strategy is checked now; `auto` (and a DeepSpeed JSON) when the layout is resolved at launch
         problem = layout_problem(recipe, layout_of(recipe, world_size=2))
         if problem:

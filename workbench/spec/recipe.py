@@ -392,6 +392,15 @@ class FsdpSection(Section):
     cpu_ram_efficient_loading: bool = Field(True, description="load weights on rank 0 only, then broadcast.")
 
 
+class PipelineSection(Section):
+    schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b", description="strategy pp's schedule (torch.distributed.pipelining): 1f1b (one forward, one backward "
+                            "in turn: at most as many micro-batches' activations in flight as there are stages; needs "
+                            "training.grad_accum at least the number of stages) or gpipe (every forward, then every "
+                            "backward: all of the step's micro-batches in flight). The step's micro-batches "
+                            "(training.grad_accum of them) are the pipeline's.")
+
+
 class DeepSpeedSection(Section):
     stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage.")
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="optimizer states to CPU.")
@@ -405,10 +414,11 @@ WEEK_S = 7 * 24 * 3600  # longer limits overflow torch's timedelta arithmetic
 
 
 class DistributedSection(Section):
-    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "tp"] = Field(
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "tp", "pp"] = Field(
         "auto", description="auto chooses from the world size and the memory estimate; tp: tensor parallel, each "
-                            "process holds a slice of every layer's weights and all read the same batches "
-                            "(docs/scale-out.md)."
+                            "process holds a slice of every layer's weights and all read the same batches; pp: "
+                            "pipeline parallel, each process holds a run of consecutive layers (a stage) and the "
+                            "step's micro-batches flow through the stages (docs/scale-out.md)."
     )
     device_memory: str | None = Field(
         None, description="memory per device that auto plans for (e.g. 40GB); default: the device's own.")
@@ -420,6 +430,7 @@ class DistributedSection(Section):
                                           "data (and rank 0 to write a checkpoint).")
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
 
     @field_validator("device_memory", mode="before")
     @classmethod

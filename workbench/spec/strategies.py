@@ -70,9 +70,17 @@ class Layout:
         return self.strategy == "tp"
 
     @property
+    def pipelines(self) -> bool:
+        """Pipeline parallel: each process holds a contiguous run of the decoder layers (a stage; the embeddings on
+        the first, the final norm and the head on the last), and the step's micro-batches flow through the stages
+        in a torch.distributed.pipelining schedule (workbench/distributed/pipeline.py)."""
+        return self.strategy == "pp"
+
+    @property
     def reads_own_batches(self) -> bool:
-        """Whether each process reads batches of its own (data parallel); a tensor-parallel group reads the same."""
-        return not self.splits_layers
+        """Whether each process reads batches of its own (data parallel); a tensor-parallel group and a pipeline's
+        stages read the same."""
+        return not (self.splits_layers or self.pipelines)
 
     def mesh(self, world_size: int, nodes: int = 1) -> dict[str, int]:
         """The device mesh this layout runs on `world_size` processes over `nodes` machines, by dimension (the
@@ -81,13 +89,16 @@ class Layout:
             return {}
         if self.splits_layers:
             return {"tp": world_size}
+        if self.pipelines:
+            return {"pp": world_size}
         if self.hybrid:
             return {"dp_replicate": nodes, "dp_shard": world_size // nodes}
         return {"dp_shard": world_size} if self.strategy == "fsdp" else {"dp": world_size}
 
     def batch_streams(self, world_size: int) -> int:
         """How many different batches a micro-batch round reads on `world_size` processes: one a process, or one
-        a tensor-parallel group (all of them, today). A step's samples and a place in the epoch count in these."""
+        a tensor-parallel group or a pipeline (all of them, today). A step's samples and a place in the epoch
+        count in these."""
         return world_size if self.reads_own_batches else 1
 
     @property
@@ -96,7 +107,10 @@ class Layout:
         return frozenset({"single": {"NO"}, "ddp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"},
                           "fsdp": {"FSDP"}, "deepspeed": {"DEEPSPEED"},
                           # accelerate's tensor parallel runs on a multi-device state (on a CPU: labelled one)
-                          "tp": {"MULTI_GPU"}}[self.strategy])
+                          "tp": {"MULTI_GPU"},
+                          # a pipeline's process group is DDP's (accelerate has no pipeline of its own; the model
+                          # is not wrapped)
+                          "pp": {"MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"}}[self.strategy])
 
     @property
     def launch_flag(self) -> str | None:
@@ -142,8 +156,9 @@ class Layout:
         """Whether a checkpoint holds the engine's own copy (accelerator.save_state) beside the portable one.
         Accelerate writes a tensor-parallel model's DTensor slices as if whole, and only the main process's
         optimizer slices: its checkpoints hold the portable copy alone (gathered whole), which every layout
-        but ZeRO's loads, this one included."""
-        return not self.splits_layers
+        but ZeRO's loads, this one included. A pipeline's stages have no engine (accelerate does not prepare the
+        model): its checkpoints too hold the portable copy alone, gathered from the stages."""
+        return not (self.splits_layers or self.pipelines)
 
     def settings(self) -> dict:
         """The recipe fields (as overrides) that make a recipe run this layout."""
@@ -186,6 +201,7 @@ FSDP_OFFLOAD = Layout("fsdp", offload_params=True)
 ZERO2_OFFLOAD = Layout("deepspeed", 2, offload_optimizer=True)
 ZERO3_OFFLOAD = Layout("deepspeed", 3, offload_optimizer=True, offload_params=True)
 TP = Layout("tp")
+PP = Layout("pp")
 
 
 def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
@@ -199,18 +215,18 @@ def candidates(world_size: int, nodes: int = 1) -> list[Layout]:
 
 
 def by_name(name: str) -> Layout:
-    for layout in candidates(2, 2):
+    for layout in [*candidates(2, 2), PP]:  # a pipeline is never chosen by `auto`: named only
         if layout.name == name:
             return layout
     raise RecipeError(f"distributed: unknown layout {name!r} (known: "
-                      f"{', '.join(l.name for l in [SINGLE, *candidates(2, 2)])})")
+                      f"{', '.join(l.name for l in [SINGLE, *candidates(2, 2), PP])})")
 
 
 def layout_of(recipe: "Recipe", world_size: int) -> Layout:
     """The layout a recipe whose strategy is not `auto` runs on `world_size` processes."""
     dist = recipe.distributed
     if world_size == 1:
-        if dist.strategy in ("fsdp", "deepspeed", "tp"):
+        if dist.strategy in ("fsdp", "deepspeed", "tp", "pp"):
             raise RecipeError(
                 f"distributed.strategy: {dist.strategy} shards across processes, but this run has one process; "
                 "launch it with `workbench launch RECIPE --nproc N` or set strategy: auto"
@@ -227,6 +243,8 @@ def layout_of(recipe: "Recipe", world_size: int) -> Layout:
         return Layout("fsdp", hybrid=dist.fsdp.sharding == "hybrid", offload_params=dist.fsdp.cpu_offload)
     if dist.strategy == "tp":
         return TP
+    if dist.strategy == "pp":
+        return PP
     return DDP  # ddp, or single asked of several processes: each a full replica
 
 
@@ -256,6 +274,10 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
                 "strategy fsdp, zero2, or init default/gaussian")
     if layout.splits_layers:
         problem = _tensor_parallel_problem(recipe)
+        if problem:
+            return problem
+    if layout.pipelines:
+        problem = _pipeline_problem(recipe)
         if problem:
             return problem
     q = recipe.quantization
@@ -293,6 +315,35 @@ def _tensor_parallel_problem(recipe: "Recipe") -> str | None:
     if adapter_init.of(recipe).changes_base or adapter_init.of(recipe).needs_data:
         return (f"adapter.init: {recipe.adapter.init} reads whole weights or runs the model at start-up, before "
                 "tensor parallel splits them; use init default or gaussian")
+    return None
+
+
+def _pipeline_problem(recipe: "Recipe") -> str | None:
+    """What pipeline parallel (workbench/distributed/pipeline.py) does not run yet. The stages' count, and
+    whether the model is one the stage builder knows, are checked once the processes and the model are known
+    (pipeline_stages.check_schedule, pipeline_stages.check_architecture)."""
+    training, method = recipe.training, recipe.adapter.method
+    if method != "lora":
+        why = {"qlora": "4-bit weights on pipeline stages are not verified yet",
+               "dora": "DoRA on pipeline stages is not verified yet",
+               "full": "full fine-tuning on pipeline stages is not verified yet (its portable checkpoint is not kept)"}
+        return f"adapter.method: {method} under strategy pp: {why[method]}; use method lora, or strategy fsdp"
+    if training.objective_spec is not OBJECTIVES[DEFAULT_OBJECTIVE]:  # the last stage computes the next-token loss
+        return (f"training.objective: {training.objective} under strategy pp: the last stage computes the next-token "
+                "loss only; use objective sft, or strategy fsdp")
+    if training.optimizer != "adamw":
+        return (f"training.optimizer: {training.optimizer} under strategy pp: checkpoints gather AdamW's moments "
+                "from the stages; use optimizer adamw")
+    init = adapter_init.of(recipe)
+    if init.changes_base or init.needs_data:
+        return (f"adapter.init: {recipe.adapter.init} under strategy pp is not verified yet; use init default or "
+                "gaussian")
+    if recipe.data.eval is not None:
+        return ("data.eval: evaluation under strategy pp is not pipelined yet (a stage holds part of the model); set "
+                "data.eval: null, or evaluate the saved adapter afterwards (workbench eval)")
+    if recipe.output.sample_prompts:
+        return ("output.sample_prompts: generation needs the whole model, and under strategy pp each process holds "
+                "one stage; leave sample_prompts empty")
     return None
 
 

@@ -3,12 +3,13 @@
 Each checkpoint holds two copies of the training state:
 
 - the engine's own (`accelerator.save_state`: FSDP's sharded files, DeepSpeed's ZeRO partitions, RNG
-  states per rank), which resumes exactly on the same layout and world size (tensor parallel keeps none:
-  `Layout.keeps_engine_state`);
+  states per rank), which resumes exactly on the same layout and world size (tensor parallel and pipeline
+  parallel keep none: `Layout.keeps_engine_state`);
 - a portable one (`portable.safetensors` + `portable.json`): the trainable weights and their AdamW
   moments, whole and keyed by parameter name, with the schedule and the loop's position counted in
   samples. Any layout gathers it (a collective, cheap for adapters) and every layout but ZeRO's loads it,
-  so a run written by 2 FSDP processes continues in one process, and one written in one process on 2.
+  so a run written by 2 FSDP processes continues in one process, and one written in one process on 2. A
+  pipeline's stages each load their own parameters' tensors from it (they keep their global names).
 
 `workbench_checkpoint.json` records the layout and world size that wrote the checkpoint, and the loop's
 state and the schedule as JSON; `load` restores the copy that `resume.choose` picked (which decides whether a
@@ -39,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from workbench.base.errors import WorkbenchError, escaped, reported_as_write_error
 from workbench.distributed.accelerator import unwrap
+from workbench.distributed.pipeline import gather_on_main
 from workbench.rundir.runs import CHECKPOINT_PREFIX, RunDir, write_json_atomic
 from workbench.spec.strategies import Layout
 
@@ -341,7 +343,7 @@ class SchedulerState(_Written):
 class LayoutState(_Written):
     """strategies.Layout.to_json."""
 
-    strategy: Literal["single", "ddp", "fsdp", "deepspeed", "tp"]
+    strategy: Literal["single", "ddp", "fsdp", "deepspeed", "tp", "pp"]
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     hybrid: bool = False
     offload_optimizer: bool = False
@@ -456,6 +458,13 @@ def _gather_portable(accelerator, model, optimizer, layout: Layout) -> dict[str,
             for key in MOMENTS:
                 tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
         return tensors if accelerator.is_main_process else None
+    if layout.pipelines:  # each stage holds its own parameters and their moments: gathered on the main process
+        state = _torch_optimizer(optimizer).state
+        for name, param in named:
+            tensors[f"weight/{name}"] = param.detach().float().contiguous()
+            for key in MOMENTS:
+                tensors[f"{key}/{name}"] = state[param][key].detach().float().contiguous()
+        return gather_on_main(accelerator, tensors)
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 

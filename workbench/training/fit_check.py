@@ -54,6 +54,8 @@ def budget_for(recipe: Recipe, device) -> Budget | None:
 def why_not_checked(recipe: Recipe, layout: Layout) -> str | None:
     if layout.strategy == "deepspeed":
         return "DeepSpeed takes its optimizer step inside backward"
+    if layout.pipelines:
+        return "a pipeline's stages run a step together, in its schedule"
     if recipe.data.streaming:
         return "a stream's longest rows are not known before it is read"
     return None

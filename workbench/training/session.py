@@ -33,6 +33,7 @@ from workbench.distributed.accelerator import (Heartbeat, accumulation_boundary,
                                                collective_timeout,
                                                configure_threads, host_transfer, local_parameter_elements, patience,
                                                release_accelerator_state, sum_of_batches, unwrap, verify_launch)
+from workbench.distributed.pipeline import Pipeline
 from workbench.distributed.stopping import NonFiniteWatch, StopRequest, agree, host_group, host_reads_every_step
 from workbench.distributed.trackers import finish_trackers, log_summary, log_to_trackers, start_trackers
 from workbench.estimator.memory import prediction_for_run
@@ -246,6 +247,10 @@ class TrainingSession:
         self.summary.params, self.summary.trainable_params = count_parameters(model)
         check_disk_space(recipe, self.summary.trainable_params)
         self.flop_counter = FlopCounter(model, model.config)
+        # pipeline parallel: this process keeps its own stage of the model, adapter attached whole (workbench/
+        # distributed/pipeline.py); the optimizer holds the stage's own parameters
+        self.pipeline = (Pipeline(model, self.accelerator, recipe, self.tokenizer.pad_token_id)
+                         if self.layout.pipelines else None)
         self.model, self.optimizer = model, build_optimizer(model, recipe, device_type)
         self.resolved.resume.choose_checkpoint(self.layout, self.accelerator.num_processes, cfg.micro_batch_size,
                                         math.inf if self.recipe.data.streaming else len(self.data.train), model,
@@ -303,7 +308,11 @@ class TrainingSession:
     def prepare_model(self) -> None:
         """Model and optimizer placed for the layout, the schedule, the objective (nothing written yet)."""
         recipe, accelerator = self.recipe, self.accelerator
-        self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        if self.pipeline is not None:  # no engine wraps a stage: the schedule runs it
+            self.model = self.model.to(accelerator.device)  # (the other stages' parameters are empty)
+            self.optimizer = accelerator.prepare(self.optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         self.plan_schedule()
         if self.resolved.resume.checkpoint is not None:  # its schedule's record, against this run's schedule
             checkpoints.check_schedule(self.resolved.resume.checkpoint, self.scheduler)
@@ -442,7 +451,7 @@ class TrainingSession:
 
     def accumulate(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over one step's micro-batches: the step's loss, and its sums for the next row."""
-        accelerator, state, objective = self.accelerator, self.state, self.objective
+        accelerator, objective = self.accelerator, self.objective
         step_loss = torch.zeros((), device=accelerator.device)
         step_sums = torch.zeros_like(self.window_sums)
         # what the step's loss is normalised by (its target tokens, or pairs), over every rank. A stand-in counts
@@ -450,6 +459,12 @@ class TrainingSession:
         totals = sum_of_batches(accelerator, sum((objective.counts(self.model, mb) * (0 if mb.get(STAND_IN) else 1)
                                                   for mb in micro_batches),
                                                  torch.zeros(objectives.COUNTS, device=accelerator.device)))
+        if self.pipeline is not None:  # the step's micro-batches through every stage, in the schedule
+            with self.offload():
+                step_loss, step_sums = self.pipeline.step(micro_batches, totals[objectives.TARGETS])
+            for batch in micro_batches:
+                self.count(batch)
+            return step_loss, step_sums
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # DDP and FSDP average gradients over the data-parallel ranks: scale by their count to undo that mean
@@ -463,12 +478,16 @@ class TrainingSession:
                 continue
             step_loss += part.loss.detach()
             step_sums += part.sums
-            # counted by the collator on the host: no device read per micro-batch
-            self.window_tokens += batch["num_tokens"]
-            state.flops += self.flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
-                                                        extra_forwards=self.recipe.training.extra_forwards) \
-                / self.replicas  # this process's share of the batch's work
+            self.count(batch)
         return step_loss, step_sums
+
+    def count(self, batch: dict) -> None:
+        """A micro-batch's tokens and this process's share of its work (counted by the collator on the host: no
+        device read per micro-batch)."""
+        self.window_tokens += batch["num_tokens"]
+        self.state.flops += self.flop_counter.step_flops(batch["num_tokens"], batch["num_attended"],
+                                                         extra_forwards=self.recipe.training.extra_forwards) \
+            / self.replicas
 
     def step(self, micro_batches: list) -> tuple:
         """One optimizer step: accumulate, clip, check for non-finite values, update (or skip). Returns the gradient
