@@ -46,8 +46,10 @@ def test_lora_draws_repeated_on_whole_shapes_are_pefts_own(init):
     (["adapter.init=pissa"], "adapter.init: pissa reads whole weights"),
 ])
 def test_what_tensor_parallel_does_not_run_yet_is_refused_naming_the_field(overrides, field):
-    recipe = Recipe.load(RECIPE, ["distributed.strategy=tp", *TP_READY, *overrides])
-    assert layout_problem(recipe, TP).startswith(field)
+    # refused as the recipe loads (`workbench validate`, and `launch` before any process starts)
+    with pytest.raises(RecipeError) as refused:
+        Recipe.load(RECIPE, ["distributed.strategy=tp", *TP_READY, *overrides])
+    assert str(refused.value).startswith(f"{RECIPE}: {field}") and "\n" not in str(refused.value)
     assert layout_problem(Recipe.load(RECIPE, ["distributed.strategy=tp", *TP_READY]), TP) is None
 
 
