@@ -107,13 +107,13 @@ def unpaired(pairs):
 
 def grpo_arith():
     """GRPO's prompts: 64 single-digit sums and differences, each with its `answer` column (what the exact_answer
-    reward compares with), asked to end with "Answer: <number>" (what the format reward looks for)."""
+    reward compares with), asked to reply with the number alone (what the recipe's format reward looks for)."""
     rng = random.Random(3)
     rows = []
     for _ in range(64):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         op, value = rng.choice([("plus", a + b), ("minus", a - b)])
-        q = f"What is {a} {op} {b}? Reply with the number after 'Answer:'."
+        q = f"What is {a} {op} {b}? Reply with the number only."
         rows.append({"prompt": [{"role": "user", "content": q}], "answer": str(value)})
     write("grpo_arith_train.jsonl", rows)
 

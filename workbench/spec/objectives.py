@@ -55,14 +55,14 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               settings=(("kto_beta", "beta"), ("kto_desirable_weight", "desirable weight"),
                         ("kto_undesirable_weight", "undesirable weight")),
               reference=True, extra_forwards=2, reward_scale="kto_beta", logs_rewards=True),
-    Objective("grpo", "GRPO (online RL with verifiable rewards): sample training.grpo.num_generations answers per "
-                      "prompt, score them with training.grpo.rewards, and raise the answers that beat their group's "
-                      "mean (clipped policy gradient; KL to the base model, adapter off, where training.grpo.beta > 0)",
-              rows="prompts", extra_forwards=1, samples_answers=True),
     Objective("reward", "a reward model: a scalar score head, read at the answer's last token, trained so that the "
                         "chosen answer scores above the rejected one (Bradley-Terry)", rows="pairs",
               settings=(("reward_center_coefficient", "centring coefficient"),), scores_sequences=True,
               logs_rewards=True),
+    Objective("grpo", "GRPO (online RL with verifiable rewards): sample training.grpo.num_generations answers per "
+                      "prompt, score them with training.grpo.rewards, and raise the answers that beat their group's "
+                      "mean (clipped policy gradient; KL to the base model, adapter off, where training.grpo.beta > 0)",
+              rows="prompts", extra_forwards=1, samples_answers=True),
 )}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 DEFAULT_OBJECTIVE = "sft"  # the schema's default, and what a run from before objectives trained
