@@ -105,6 +105,19 @@ def unpaired(pairs):
                                   for q, a, label in rows[176:]])
 
 
+def grpo_arith():
+    """GRPO's prompts: 64 single-digit sums and differences, each with its `answer` column (what the exact_answer
+    reward compares with), asked to reply with the number alone (what the recipe's format reward looks for)."""
+    rng = random.Random(3)
+    rows = []
+    for _ in range(64):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        op, value = rng.choice([("plus", a + b), ("minus", a - b)])
+        q = f"What is {a} {op} {b}? Reply with the number only."
+        rows.append({"prompt": [{"role": "user", "content": q}], "answer": str(value)})
+    write("grpo_arith_train.jsonl", rows)
+
+
 def write(name, rows):
     with (HERE / name).open("w") as handle:
         for r in rows:
@@ -115,3 +128,4 @@ if __name__ == "__main__":
     identity()
     tiny_chat()
     unpaired(preference())
+    grpo_arith()

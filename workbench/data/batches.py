@@ -4,6 +4,7 @@ resume."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import torch
@@ -40,6 +41,9 @@ class Collator:
             batch["num_samples"] += int(starts.sum())
         if "desirable" in examples[0]:  # unpaired rows: one label per example of two samples, in batch order
             batch["desirable"] = torch.tensor([d for e in examples for d in e["desirable"]], dtype=torch.bool)
+        if "row" in examples[0]:  # prompt rows (GRPO): each prompt's length and its row, for generation and rewards
+            batch["prompt_lengths"] = torch.tensor([len(e["input_ids"]) for e in examples])
+            batch["rows"] = [json.loads(e["row"]) for e in examples]
         # counts for throughput and FLOPs, as Python ints: the loop reads them without waiting for the device
         batch["num_tokens"] = sum(len(e["input_ids"]) for e in examples)
         # causal attention work: a real token at position p attends to p + 1 positions

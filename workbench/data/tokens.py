@@ -7,10 +7,12 @@ continuing the prompt (`shared_prompt_layout`; the CPU's per-sample attention re
 
 from __future__ import annotations
 
+import json
+
 from workbench.base.errors import DataError
 from workbench.data.rows import first_line
 from workbench.spec import formats
-from workbench.spec.chat_templates import TemplateBudgetError, TemplateFailure
+from workbench.spec.chat_templates import TemplateBudgetError, TemplateFailure, render_ids
 from workbench.spec.formats import format_of
 from workbench.spec.recipe import DataSection
 
@@ -105,6 +107,8 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_promp
     share_prompts: the two samples hold their prompt once instead (shared_prompt_layout), and `whole_length`
     keeps the two whole sequences' length, which packing bins by."""
     fmt = format_of(cfg.format)
+    if fmt.prompts:
+        return tokenize_prompt(row, tokenizer, cfg, where)
     if fmt.unpaired:
         return _tokenize_unpaired(row, tokenizer, cfg, where, share_prompts, mismatched)
     if not fmt.preference:
@@ -114,6 +118,33 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, where: str, share_promp
     both = chosen["targets"] > 0 and rejected["targets"] > 0 and chosen["labels"] != rejected["labels"]
     return _two_samples(chosen, rejected, share_prompts, truncated=chosen["truncated"] or rejected["truncated"],
                         targets=chosen["targets"] + rejected["targets"] if both else 0)
+
+
+def tokenize_prompt(row: dict, tokenizer, cfg: DataSection, where: str) -> dict:
+    """A prompt row (GRPO) as the generation reads it: the prompt's ids (a conversation rendered with the chat
+    template and its generation prompt, a text as written), its last data.max_seq_len tokens where longer (TRL cuts
+    prompts on the left: the question is at the end), no targets of its own (`targets` 1: a prompt to answer), and
+    the row as JSON (`row`: the prompt's text and the columns the rewards read)."""
+    prompt = format_of(cfg.format).prompt_row(row, where, cfg.system_prompt)
+    if isinstance(prompt.prompt, str):
+        ids = tokenizer(prompt.prompt, add_special_tokens=False)["input_ids"]
+    elif tokenizer.chat_template:
+        try:
+            ids = render_ids(tokenizer, prompt.prompt, add_generation_prompt=True)
+        except (TemplateFailure, TemplateBudgetError) as err:
+            raise DataError(f"{where}: {template_name(cfg)} fails on this row: {err}") from None
+    elif len(prompt.prompt) == 1:  # one user turn, no template: its text
+        ids = tokenizer(prompt.prompt[0]["content"], add_special_tokens=False)["input_ids"]
+    else:
+        raise DataError(f"{where}: a conversation needs a tokenizer with a chat template (give a plain 'prompt' "
+                        "text, or use a chat model)")
+    truncated = len(ids) > cfg.max_seq_len
+    ids = ids[-cfg.max_seq_len:]
+    try:
+        record = json.dumps({"prompt": prompt.text, "columns": prompt.columns})
+    except (TypeError, ValueError) as err:
+        raise DataError(f"{where}: a column the rewards would read is not JSON data ({err})") from None
+    return {"input_ids": ids, "labels": [IGNORE] * len(ids), "truncated": truncated, "targets": 1, "row": record}
 
 
 def _tokenize_unpaired(row: dict, tokenizer, cfg: DataSection, where: str, share_prompts: bool,

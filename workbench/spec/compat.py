@@ -69,6 +69,9 @@ def check_recipe(recipe: "Recipe") -> None:
                                          for name in adapter.modules_to_save or []):
         raise ValueError("adapter.modules_to_save: lm_head: a reward model loads no language-model head (its score "
                          "head trains whole already); remove lm_head")
+    problem = grpo_problem(recipe)
+    if problem:
+        raise ValueError(problem)
     if recipe.data.eval and recipe.data.eval_split:
         raise ValueError("data.eval_split: set either data.eval (a file) or data.eval_split, not both")
     # `auto` precision is checked again once resolved for the device (workbench/hardware/precision.py)
@@ -83,6 +86,41 @@ def check_recipe(recipe: "Recipe") -> None:
         problem = layout_problem(recipe, layout_of(recipe, world_size=2))
         if problem:
             raise ValueError(problem)
+
+
+def grpo_problem(recipe: "Recipe") -> str | None:
+    """What objective grpo (answers sampled in the loop) cannot run with yet, in one line naming the field."""
+    training, data = recipe.training, recipe.data
+    if not training.objective_spec.samples_answers:
+        return None
+    grpo = training.grpo
+    if data.packing:
+        return ("data.packing: GRPO's rows are prompts, each answered num_generations times in a row of its own; "
+                "set data.packing: false")
+    if data.eval or data.eval_split:
+        field = "data.eval" if data.eval else "data.eval_split"
+        return (f"{field}: a held-out reward evaluation of GRPO is not built yet; leave it out (the training "
+                "rewards are logged every step)")
+    if data.streaming:
+        return "data.streaming: GRPO reads its prompts whole; turn data.streaming off"
+    if training.micro_batch_auto:
+        return ("training.micro_batch_size: auto does not count GRPO's sampled answers; set the prompts per "
+                "micro-batch (each answered training.grpo.num_generations times)")
+    completions = training.micro_batch_size * grpo.num_generations
+    if completions > MOST_COMPLETIONS_PER_MICRO_BATCH:
+        return (f"training.grpo.num_generations: {grpo.num_generations} answers x training.micro_batch_size "
+                f"{training.micro_batch_size} prompts = {completions} sequences in one micro-batch (at most "
+                f"{MOST_COMPLETIONS_PER_MICRO_BATCH}); lower either, and raise grad_accum to keep the step")
+    if grpo.beta > 0 and recipe.adapter.method == "full":
+        return ("training.grpo.beta: the KL term compares against the base model with the adapter switched off, "
+                "and full fine-tuning has no adapter to switch off; use beta: 0 or adapter.method lora/qlora/dora")
+    if grpo.loss_type != "cispo" and grpo.epsilon_high is not None and grpo.epsilon_high < grpo.epsilon:
+        return (f"training.grpo.epsilon_high: {grpo.epsilon_high:g} is below epsilon {grpo.epsilon:g}; the upper "
+                "clip is at least the lower one (null: the same)")
+    return None
+
+
+MOST_COMPLETIONS_PER_MICRO_BATCH = 4096  # micro_batch_size x num_generations: far past what one forward holds
 
 
 def streaming_problem(recipe: "Recipe") -> str | None:

@@ -8,7 +8,9 @@ evaluation reads from it (the question and its reference answer). Adding a forma
 Instruction formats render one sequence: a list of `(text, is_answer)` segments. The `preference` format
 renders two sequences that share a prompt, the chosen and the rejected answer (`pair`). The `unpaired` format
 (KTO's rows) holds one answer and a label saying whether it is desirable (`unpaired_row`); training pairs it
-with another row's answer to the same prompt, the mismatched sample KTO estimates its KL term from.
+with another row's answer to the same prompt, the mismatched sample KTO estimates its KL term from. The `prompts`
+format (GRPO's rows) holds only a prompt: the answers are sampled during training and scored by reward functions,
+which may read the row's other columns (e.g. `answer`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class DataFormat:
     needs_chat_template: bool = False
     preference: bool = False  # rows hold a prompt and two answers (chosen, rejected)
     unpaired: bool = False  # rows hold a prompt, one answer and a label (desirable or not)
+    prompts: bool = False  # rows hold a prompt alone (answers are generated in the loop), and columns rewards read
     # instruction formats: segments(row, tokenizer, system_prompt, where) and reference(row, system_prompt, where)
     # (evaluation's question and expected answer; preference pairs are scored by their log-probabilities instead)
     segments: Callable | None = None
@@ -158,11 +161,14 @@ class DataFormat:
     pair: Callable | None = None
     # the unpaired format: unpaired_row(row, where, system_prompt) -> Unpaired
     unpaired_row: Callable | None = None
+    # the prompts format: prompt_row(row, where, system_prompt) -> PromptRow
+    prompt_row: Callable | None = None
 
     @property
     def rows(self) -> str:
         """The kind of rows, which decides the objectives that learn from them (workbench/spec/objectives.py)."""
-        return "pairs" if self.preference else "unpaired" if self.unpaired else "instructions"
+        return ("pairs" if self.preference else "unpaired" if self.unpaired else "prompts" if self.prompts
+                else "instructions")
 
     @property
     def sequences_per_example(self) -> int:
@@ -385,6 +391,46 @@ def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpa
     return Unpaired(with_system(prompt, system_prompt), completion, label, plain)
 
 
+# prompts (GRPO) ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptRow:
+    """A prompt row made uniform: the prompt as text (tokenized as written) or as the conversation so far (ending
+    with a user turn, rendered with the chat template and its generation prompt), and the row's other columns,
+    which reward functions read (e.g. `answer`)."""
+
+    prompt: str | list[dict]
+    columns: dict
+
+    @property
+    def text(self) -> str:
+        """What the rewards are told the prompt was: the text, or the last user turn."""
+        return self.prompt if isinstance(self.prompt, str) else last_user(self.prompt) or ""
+
+
+def prompt_of(row: dict, where: str, system_prompt: str | None = None) -> PromptRow:
+    """TRL's prompt-only layout: `prompt` as text or messages, or `messages` (the conversation so far); a system
+    prompt makes a text prompt a conversation."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str) and row.get("messages") is None and not system_prompt:
+        if not text_field(row, "prompt", where).strip():
+            raise DataError(f"{where}: field 'prompt' is empty (nothing to answer)")
+        value: str | list[dict] = prompt
+    else:
+        value = _prompt_messages(row, where, required=True)
+        last = value[-1]
+        if last["role"] != "user":
+            article = "an" if last["role"] == "assistant" else "a"
+            raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
+                            "user's turn")
+        if not last["content"].strip():
+            raise DataError(f"{where}: the prompt's user turn is empty (nothing to answer)")
+        value = with_system(value, system_prompt)
+    columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+    return PromptRow(value, columns)
+
+
 def last_user(messages: list[dict]) -> str | None:
     users = [m["content"] for m in messages if m["role"] == "user"]
     return users[-1] if users else None
@@ -422,6 +468,12 @@ FORMATS: dict[str, DataFormat] = {f.name: f for f in (
         {"prompt": "What is 2 plus 3?", "completion": "5.", "label": True},
         check=lambda row, where: unpaired_of(row, where), unpaired=True,
         unpaired_row=unpaired_of),
+    DataFormat(
+        "prompts", ("prompt",), ("messages",),
+        "a prompt (text or messages) alone, and any columns the rewards read, e.g. answer (for training.objective "
+        "grpo: the answers are sampled in training and scored)",
+        {"prompt": [{"role": "user", "content": "What is 2 plus 3?"}], "answer": "5"},
+        check=lambda row, where: prompt_of(row, where), prompts=True, prompt_row=prompt_of),
 )}
 FORMAT_NAMES = tuple(FORMATS)
 

@@ -25,6 +25,7 @@ class Objective:
     scores_sequences: bool = False  # a sequence scorer (a scalar head read at the answer's last token), no LM
     reward_scale: str | None = None  # the training field evaluation scales log-probability ratios by
     logs_rewards: bool = False  # logs reward margins and accuracies (charts, compare columns, status lines)
+    samples_answers: bool = False  # samples its answers during training (online RL): whole weights per process
 
     @property
     def generates(self) -> bool:
@@ -58,6 +59,10 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
                         "chosen answer scores above the rejected one (Bradley-Terry)", rows="pairs",
               settings=(("reward_center_coefficient", "centring coefficient"),), scores_sequences=True,
               logs_rewards=True),
+    Objective("grpo", "GRPO (online RL with verifiable rewards): sample training.grpo.num_generations answers per "
+                      "prompt, score them with training.grpo.rewards, and raise the answers that beat their group's "
+                      "mean (clipped policy gradient; KL to the base model, adapter off, where training.grpo.beta > 0)",
+              rows="prompts", extra_forwards=1, samples_answers=True),
 )}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 DEFAULT_OBJECTIVE = "sft"  # the schema's default, and what a run from before objectives trained

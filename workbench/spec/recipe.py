@@ -25,6 +25,10 @@ from workbench.spec.chat_templates import NAMES as CHAT_TEMPLATES, check_value a
 from workbench.spec.compat import check_recipe
 from workbench.spec.formats import FORMAT_NAMES, FORMATS
 from workbench.spec.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, Objective
+from workbench.spec.rewards import BUILTINS as BUILTIN_REWARDS, SETTINGS as REWARD_SETTINGS
+from workbench.spec.rewards import entry_problem as reward_entry_problem
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")  # workbench/training/policy_gradient.py's LOSS_TYPES
 
 # What users type for each value (YAML reads `no` as false): mapped onto the schema's spelling.
 MIXED_PRECISION_SPELLINGS = {
@@ -261,6 +265,67 @@ class DataSection(Section):
         return self.packing or FORMATS[self.format].sequences_per_example > 1
 
 
+class RewardEntry(Section):
+    name: str = Field(..., description="a built-in reward (workbench/spec/rewards.py): " + "; ".join(
+        f"{b.name} ({b.summary})" for b in BUILTIN_REWARDS.values()) + "; or module:function (Python code, run only "
+        "with training.grpo.allow_code_rewards: true).")
+    pattern: str | None = Field(None, description="format: the regular expression an answer must contain.")
+    target_length: int | None = Field(None, gt=0, description="length: the tokens an answer may take unpenalised.")
+    keys: list[str] | None = Field(None, description="json: the keys the answer's object must hold.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_name_alone(cls, data):
+        return {"name": data} if isinstance(data, str) else data  # `- exact_answer` for `- {name: exact_answer}`
+
+
+class GrpoSection(Section):
+    num_generations: int = Field(8, ge=2, le=1024, strict=True,
+                                 description="G: answers sampled per prompt; each is judged against its group's "
+                                             "mean reward (at least 2).")
+    max_completion_length: int = Field(256, gt=0, le=1 << 17, strict=True,
+                                       description="the most tokens an answer is sampled for.")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature (the log-probabilities are "
+                                                             "scored at it too).")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this "
+                                                      "much probability (1: all).")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens (0: all).")
+    loss_type: Literal[GRPO_LOSS_TYPES] = Field(
+        "dapo", description="how token losses are averaged (TRL's loss_type, default dapo as TRL 1.16): grpo (each "
+                            "answer's token mean, then the mean over answers), bnpo (the micro-batch's token mean), "
+                            "dr_grpo (sum over batch x max_completion_length), dapo (the step's token mean), cispo "
+                            "(dapo's mean of the capped-ratio policy gradient).")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="clipping: the ratio to the sampling policy is kept in "
+                                                       "[1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="the upper clip (null: epsilon); cispo: the cap of "
+                                                               "the ratio (e.g. 5).")
+    beta: float = Field(0.0, ge=0, description="weight of the KL penalty to the base model (adapter off); 0: no "
+                                               "reference pass (TRL's default).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantages: reward minus the group's mean, divided by the group's std (group), the "
+                             "micro-batch's std (batch) or not at all (none).")
+    rewards: list[RewardEntry] = Field(
+        default_factory=lambda: [RewardEntry(name="exact_answer")],
+        description="the rewards an answer is scored by, summed with reward_weights: a name, or {name, settings}.")
+    reward_weights: list[float] | None = Field(None, description="one weight per reward (null: all 1).")
+    allow_code_rewards: bool = Field(False, description="let rewards name Python code (module:function) to import "
+                                                        "and run.")
+
+    @model_validator(mode="after")
+    def _rewards_usable(self):
+        if not self.rewards:
+            raise ValueError("rewards: empty; name at least one (e.g. exact_answer)")
+        for k, entry in enumerate(self.rewards):
+            settings = {name: getattr(entry, name) for name in REWARD_SETTINGS}
+            problem = reward_entry_problem(entry.name, settings, self.allow_code_rewards)
+            if problem:
+                raise ValueError(f"rewards[{k}]: {problem}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards; "
+                             "give one per reward")
+        return self
+
+
 MOST_SAMPLES_PER_STEP = 1 << 20  # far past any published run's (a few thousand); a larger one is a typo
 
 
@@ -317,6 +382,8 @@ class TrainingSection(Section):
     reward_center_coefficient: float | None = Field(
         None, ge=0, description="reward: the weight of a penalty on the squared sum of each pair's rewards, which "
                                 "keeps them centred on 0 (null: none).")
+    grpo: GrpoSection = Field(default_factory=GrpoSection,
+                              description="objective grpo: sampling, rewards and the clipped policy loss.")
     seed: int = Field(42, description="seed for weights, dropout and data order.")
     resume: Literal[False, "auto"] = Field(
         False, description="auto: a start with no checkpoint in the run directory trains from scratch, one with a "

@@ -266,6 +266,11 @@ def layout_problem(recipe: "Recipe", layout: Layout) -> str | None:
         # (a config_file's own setting is checked as it is read: distributed/accelerator.py)
         return ("distributed.deepspeed.save_16bit_model: false leaves ZeRO-3 no whole weights to save the adapter "
                 "from when the run ends; set it true")
+    if training.objective_spec.samples_answers and layout.strategy not in ("single", "ddp"):
+        # each process samples its own prompts' answers with model.generate, which needs the whole model in reach
+        return (f"training.objective: {training.objective} samples answers inside the loop on each process's whole "
+                f"model, which {layout.name} splits or wraps in its own engine; use distributed.strategy ddp (each "
+                "process answers its own prompts) or single")
     init = adapter_init.of(recipe)
     if layout.strategy == "deepspeed" and layout.shards_weights and (init.decomposes or init.needs_data):
         # ZeRO-3 partitions the weights as they load: no whole weight is left to decompose or to run forward with

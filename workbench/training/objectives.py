@@ -49,9 +49,10 @@ from workbench.data.batches import sample_starts
 from workbench.data.tokens import IGNORE
 from workbench.model.lm_loss import CHUNK_ELEMENTS, causal_lm_of, head_bypassed, plain_head
 
-# the counts vector: what losses are normalised by, and KTO's KL estimate (summed log-ratios, samples)
-TARGETS, PAIRS, CHOSEN_TARGETS, KL_SUM, KL_SAMPLES = range(5)
-COUNTS = 5
+# the counts vector: what losses are normalised by, KTO's KL estimate (summed log-ratios, samples), and the
+# micro-batches of the step (GRPO's grpo, bnpo and dr_grpo losses divide by them, as TRL by its accumulation steps)
+TARGETS, PAIRS, CHOSEN_TARGETS, KL_SUM, KL_SAMPLES, MICRO_BATCHES = range(6)
+COUNTS = 6
 PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
                       "logps_rejected", "kl")
 
@@ -63,13 +64,13 @@ class Part:
 
 
 def counts(batch: dict) -> torch.Tensor:
-    """[target tokens, pairs, chosen-answer target tokens, 0, 0] of a micro-batch, on its device."""
+    """[target tokens, pairs, chosen-answer target tokens, 0, 0, 1] of a micro-batch, on its device."""
     labels = batch["labels"]
     targets = (labels != IGNORE).sum()
     pairs = torch.tensor(batch.get("num_samples", 0) // 2, device=labels.device)
     chosen = ((labels != IGNORE) & (sample_index(batch["position_ids"]) % 2 == 0).view_as(labels)).sum()
-    zero = torch.zeros((), device=labels.device)
-    return torch.stack([targets.float(), pairs.float(), chosen.float(), zero, zero])
+    zero, one = torch.zeros((), device=labels.device), torch.ones((), device=labels.device)
+    return torch.stack([targets.float(), pairs.float(), chosen.float(), zero, zero, one])
 
 
 def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
@@ -91,9 +92,14 @@ def only_samples(batch: dict, parity: int) -> dict:
 class Objective:
     name: str
     sum_names: tuple[str, ...]
+    final_metrics = PREFERENCE_METRICS  # the report's figures the run's summary keeps as <name>_final
 
     def counts(self, model, batch) -> torch.Tensor:
         return counts(batch)
+
+    def report_window(self, sums, process_seconds: float) -> dict:
+        """`report` of a logging window that took process_seconds (wall seconds times processes)."""
+        return self.report(sums)
 
 
 class SFT(Objective):
@@ -244,12 +250,13 @@ class Reward(Objective):
                 "reward_margin": (chosen - rejected) / pairs, "reward_accuracy": correct / pairs}
 
 
-def build(recipe, loss_sum_of, adapter_off=None, pad_token_id: int | None = None):
+def build(recipe, loss_sum_of, adapter_off=None, pad_token_id: int | None = None, tokenizer=None):
     """The recipe's objective. adapter_off: a context manager that switches the adapter off (the reference of
-    DPO and KTO); pad_token_id: the token a reward model never reads its score at."""
+    DPO, KTO and GRPO's KL term); pad_token_id: the token a reward model never reads its score at; tokenizer:
+    what GRPO decodes its sampled answers with."""
     training = recipe.training
     return LOSSES[training.objective](training, loss_sum_of=loss_sum_of, adapter_off=adapter_off,
-                                      pad_token_id=pad_token_id)
+                                      pad_token_id=pad_token_id, tokenizer=tokenizer)
 
 
 # The loss of each entry of workbench/spec/objectives.py's registry, built from the recipe's training section.
@@ -260,7 +267,14 @@ LOSSES = {
     "kto": lambda training, adapter_off, **_: KTO(training.kto_beta, training.kto_desirable_weight,
                                                   training.kto_undesirable_weight, adapter_off),
     "reward": lambda training, pad_token_id, **_: Reward(training.reward_center_coefficient, pad_token_id),
+    "grpo": lambda training, adapter_off, tokenizer, **_: _grpo().GRPO(training.grpo, tokenizer, adapter_off),
 }
+
+
+def _grpo():
+    from workbench.training import grpo  # its own module (generation, rewards): it builds on this one
+
+    return grpo
 
 
 def adapter_off_of(peft_model):

@@ -318,10 +318,11 @@ class TrainingSession:
             checkpoints.check_schedule(self.resolved.resume.checkpoint, self.scheduler)
         accelerator.register_save_state_pre_hook(_only_trainable_weights)
 
-        # the loss: next-token (sft) or a preference (the reference of dpo and kto is this model, adapter off)
+        # the loss: next-token (sft), a preference, or rewards of sampled answers (grpo); the reference of dpo, kto
+        # and grpo's KL term is this model, adapter off
         self.objective = objectives.build(recipe, self.loss_sum_of,
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)),
-                                          self.tokenizer.pad_token_id)
+                                          self.tokenizer.pad_token_id, self.tokenizer)
 
     def plan_schedule(self) -> None:
         """The run's steps and its learning-rate schedule over them (a streamed run has no length: it runs
@@ -530,11 +531,12 @@ class TrainingSession:
         accelerator, state = self.accelerator, self.state
         # The only host sync of the loop: read the loss when a row is written.
         # loss None when every step of the window was skipped (on_nonfinite: skip)
-        report = self.objective.report(sum_of_batches(accelerator, self.window_sums).cpu())
-        self.last_loss, self.last_report = report["loss"], report
+        window_sums = sum_of_batches(accelerator, self.window_sums).cpu()
         tokens_total = int(sum_of_batches(accelerator, torch.tensor(self.window_tokens, device=accelerator.device)))
         state.tokens += tokens_total
         elapsed = time.perf_counter() - self.window_start
+        report = self.objective.report_window(window_sums, elapsed * accelerator.num_processes)
+        self.last_loss, self.last_report = report["loss"], report
         norm = _rounded(float(grad_norm)) if grad_norm is not None else None
         row = {"step": state.step, "epoch": state.epoch, "loss": _rounded(self.last_loss),
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm,
@@ -618,4 +620,4 @@ class TrainingSession:
         s.trainable_checksum_per_rank = _checksums(self.model, accelerator)
         s.skipped_steps, s.objective = state.skipped_steps, self.objective.name
         s.preference_final = {f"{k}_final": _rounded(v) for k, v in self.last_report.items()
-                              if k in objectives.PREFERENCE_METRICS}
+                              if k in self.objective.final_metrics}
