@@ -78,6 +78,15 @@ class Limits:
     row_len: int
 
 
+def _tokens_a_row(recipe: Recipe) -> int:
+    """The most tokens one training row adds to the run's count: its length, or, for an objective that samples
+    answers to it (grpo), its answers', each the prompt and a completion."""
+    if recipe.training.objective_spec.samples_answers:
+        grpo = recipe.training.grpo
+        return grpo.num_generations * (recipe.data.row_len + grpo.max_completion_length)
+    return recipe.data.row_len
+
+
 @dataclass
 class ResumePlan:
     """The answers for one run; `resuming` False: a new run, which every check lets through."""
@@ -111,7 +120,7 @@ class ResumePlan:
                               f"checkpoints "
                               "hold and what a resume may change); restore it, or start the run again (--overwrite)")
         plan.limits = Limits(None if recipe.training.max_steps else math.ceil(recipe.training.epochs),
-                             recipe.data.row_len)
+                             _tokens_a_row(recipe))
         return recipe, plan
 
     def share_prompts(self, recipe: Recipe, attention, model_config) -> bool:
