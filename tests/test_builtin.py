@@ -4,12 +4,14 @@ import json
 import pytest
 
 from workbench import ModelError
-from workbench.base.builtin import resolve_builtin
+from workbench.base.builtin import BUILT_RECORD, resolve_builtin
 from workbench.model.loading import resolve_model_path
 
 
 def digests(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    """The model's files (not the record of their sizes, which a cache built by an earlier version lacks)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != BUILT_RECORD}
 
 
 def test_tiny_is_built_deterministically_offline(tmp_path, monkeypatch, tiny_path):
@@ -58,3 +60,29 @@ def test_smollm2_converts_from_the_wheel_gguf_to_a_plain_folder():
     assert not hasattr(config, "quantization_config")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.eos_token == "<|im_end|>" and "SmolLM" in tokenizer.chat_template
+
+
+@pytest.mark.parametrize("damage", ["config-a-folder", "tokenizer-gone", "weights-cut"])
+def test_a_damaged_builtin_cache_is_one_line_naming_the_folder_to_delete(tmp_path, monkeypatch, damage):
+    """The cache folder is an ordinary folder: a file gone, cut short or replaced by a folder loaded as a traceback
+    deep in transformers (or as a hub lookup). The sizes recorded as it was built say it is damaged, and deleting
+    the folder builds it again."""
+    import os
+    import shutil
+
+    from workbench.base.builtin import resolve_builtin
+
+    monkeypatch.setenv("LORA_WORKBENCH_CACHE", str(tmp_path))
+    folder = resolve_builtin("builtin:tiny")
+    if damage == "config-a-folder":
+        (folder / "config.json").unlink()
+        (folder / "config.json").mkdir()
+    elif damage == "tokenizer-gone":
+        (folder / "tokenizer.json").unlink()
+    else:
+        weights = next(folder.glob("*.safetensors"))
+        os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ModelError, match=rf"the cached builtin model {folder} is damaged .*; delete that folder"):
+        resolve_builtin("builtin:tiny")
+    shutil.rmtree(folder)
+    assert resolve_builtin("builtin:tiny") == folder and (folder / "config.json").is_file()

@@ -189,6 +189,18 @@ def test_another_samples_per_step_is_refused_naming_both_and_what_keeps_it(tmp_p
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_the_advice_on_another_samples_per_step_names_the_batch_size_a_recipe_gives(tmp_path):
+    """A recipe with training.batch_size (micro x accumulation) refuses other numbers beside it: the advice names
+    it too, so that following it works."""
+    written_dir = written(tmp_path, 4, 1, 2, "training.batch_size=4")
+    with pytest.raises(RecipeError) as refused:
+        check_resume(recipe(4, 1, "training.batch_size=4"), written_dir, world_size=4)
+    advice = "training.micro_batch_size=2 training.grad_accum=1 training.batch_size=2 keeps it"
+    assert advice in str(refused.value)
+    continued, _, _ = check_resume(recipe(2, 1, "training.batch_size=2"), written_dir, world_size=4)
+    assert (continued.training.micro_batch_size, continued.training.batch_size) == (2, 2)
+
+
 def heartbeat(in_loop=True):
     return SimpleNamespace(rank=0, world=2, in_loop=in_loop, others=lambda step: "rank 1 (pid 7) exited")
 

@@ -7,13 +7,14 @@ adapters trained on it name a path that plain transformers/peft can load.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
 
-from workbench.base.errors import ModelError
+from workbench.base.errors import ModelError, escaped
 
 BUILTIN_PREFIX = "builtin:"
 TINY_VERSION = "tiny-v1"
@@ -62,7 +63,7 @@ def built_folder(path: str) -> Path | None:
     if name not in _BUILDERS:
         return None
     target = _model_folder(_BUILDERS[name][0])
-    return target if _is_built(target) else None
+    return _checked(target) if _is_built(target) else None
 
 
 def _model_folder(folder: str) -> Path:
@@ -73,15 +74,42 @@ def _is_built(target: Path) -> bool:
     return (target / "config.json").exists()  # written inside the staging folder, renamed in whole
 
 
+BUILT_RECORD = "workbench_built.json"  # {file: bytes} of a built folder, written last
+
+
+def _record_built(folder: Path) -> None:
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / BUILT_RECORD).write_text(json.dumps(files))
+
+
+def _checked(target: Path) -> Path:
+    """The built folder, its files as they were built (by name and size: a file gone, cut short or replaced by a
+    folder loads as a traceback deep in transformers). A folder built before the record was kept is taken as is."""
+    record = target / BUILT_RECORD
+    if not record.is_file():
+        return target
+    try:
+        files = json.loads(record.read_text())
+        damaged = next((name for name, size in files.items()
+                        if not (target / name).is_file() or (target / name).stat().st_size != size), None)
+    except (OSError, ValueError, AttributeError, TypeError):
+        damaged = BUILT_RECORD
+    if damaged is not None:
+        raise ModelError(f"the cached builtin model {escaped(target)} is damaged ({escaped(damaged)} is missing or "
+                         "changed since it was built); delete that folder and it is built again")
+    return target
+
+
 def built_once(folder: str, build) -> Path:
     """cache/models/<folder>, made by `build(staging_folder)` the first time and renamed into place."""
     target = _model_folder(folder)
     if _is_built(target):
-        return target
+        return _checked(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=target.parent))
     try:
         build(staging)
+        _record_built(staging)
         try:
             os.rename(staging, target)  # atomic: a concurrent builder's copy may already be there
         except OSError:

@@ -306,7 +306,9 @@ def _keep_samples_per_step(saved: Recipe, new: Recipe, run: RunDir,
                 f"count that divides {samples} (as {before[2]} does)")
     else:
         fits = max(m for m in range(1, min(micro, per_process) + 1) if per_process % m == 0)
-        keep = f"training.micro_batch_size={fits} training.grad_accum={per_process // fits} keeps it"
+        keep = f"training.micro_batch_size={fits} training.grad_accum={per_process // fits}"
+        # (a recipe that gives training.batch_size names the product too, which must agree)
+        keep += f" training.batch_size={per_process} keeps it" if new.training.batch_size is not None else " keeps it"
     return new, [], f"the run took {was} and this one would take {now}; {keep}"
 
 
