@@ -382,13 +382,18 @@ def unpaired_of(row: dict, where: str, system_prompt: str | None = None) -> Unpa
         completion = turns[0]["content"]
     else:
         completion = not_empty(text_field(row, "completion", where), f"{where}: field 'completion'")
-    prompt = _prompt_messages(row, where, required=True)
+    prompt = _ending_with_user(_prompt_messages(row, where, required=True), where)
+    return Unpaired(with_system(prompt, system_prompt), completion, label, plain)
+
+
+def _ending_with_user(prompt: list[dict], where: str) -> list[dict]:
+    """The prompt, which must end with the user's turn (what the answer answers)."""
     last = prompt[-1]
     if last["role"] != "user":
         article = "an" if last["role"] == "assistant" else "a"
         raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
                         "user's turn")
-    return Unpaired(with_system(prompt, system_prompt), completion, label, plain)
+    return prompt
 
 
 # prompts (GRPO) ----------------------------------------------------------------------------------
@@ -418,13 +423,8 @@ def prompt_of(row: dict, where: str, system_prompt: str | None = None) -> Prompt
             raise DataError(f"{where}: field 'prompt' is empty (nothing to answer)")
         value: str | list[dict] = prompt
     else:
-        value = _prompt_messages(row, where, required=True)
-        last = value[-1]
-        if last["role"] != "user":
-            article = "an" if last["role"] == "assistant" else "a"
-            raise DataError(f"{where}: the prompt ends with {article} {last['role']} message; it must end with the "
-                            "user's turn")
-        if not last["content"].strip():
+        value = _ending_with_user(_prompt_messages(row, where, required=True), where)
+        if not value[-1]["content"].strip():
             raise DataError(f"{where}: the prompt's user turn is empty (nothing to answer)")
         value = with_system(value, system_prompt)
     columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
