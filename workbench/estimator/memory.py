@@ -328,15 +328,18 @@ def single_device_terms(recipe: Recipe, info: ModelInfo, dev: Device) -> dict:
     gradients = train_bytes * trainable
     optimizer = optimizer_bytes(numels, train_bytes, train.optimizer)
     acts = activation_bytes(recipe, info, targets, dev.kind == "cuda")
+    sampling = generation_bytes(recipe, info)
     runtime = CUDA_CONTEXT if dev.kind == "cuda" else cpu_runtime_bytes() + TOKENIZER_BYTES_PER_ENTRY * info.vocab
     weights = weight_bytes(recipe, info)
     start = startup_cost(recipe, [(lin.out_features, lin.in_features) for lin in targets] if method != "full" else [])
     terms = {
         "trainable_params": trainable, "trainable_numels": numels, "weights": weights, "adapter": adapter,
-        "gradients": gradients, "optimizer": optimizer, "activations": acts["saved"] + acts["loss"],
+        # (sampling answers, grpo: its KV cache peaks before the step's activations, not beside them)
+        "gradients": gradients, "optimizer": optimizer, "activations": max(acts["saved"] + acts["loss"], sampling),
+        "generation_cache": sampling,
         "saved_activations": acts["saved"], "logits_and_loss": acts["loss"],
         "tp_split_saved_activations": acts["tp_split_saved"],
-        "activations_full_logits": acts["saved"] + acts["loss_full_logits"],
+        "activations_full_logits": max(acts["saved"] + acts["loss_full_logits"], sampling),
         "autocast_copies": acts["autocast_copies"], "runtime": runtime, "allocator": 0, "loading": 0,
         **_gathered_bytes(recipe, info),
         "dequantized_copy": _dequantized_bytes(recipe, info, dev),
@@ -539,7 +542,7 @@ def activation_bytes(recipe: Recipe, info: ModelInfo, targets: list, on_gpu: boo
     saved tensors in docs/estimator.md): frozen Linears keep nothing, trainable ones keep their input.
     """
     train, method, adapter = recipe.training, recipe.adapter.method, recipe.adapter
-    tokens = train.micro_batch_size * recipe.data.row_len  # a preference pair is two sequences in one row
+    tokens = micro_batch_tokens(recipe)
     autocast = train.mixed_precision in ("bf16", "fp16")
     resid = DTYPE_BYTES[frozen_dtype_of(recipe)]  # the embeddings' dtype: float32 when QLoRA upcasts them
     a = 2 if autocast else resid  # attention and LoRA tensors
@@ -634,6 +637,29 @@ ROW_SPLIT_LAYERS = ("o_proj", "down_proj", "out_proj", "fc2")
 
 def _row_split(lin) -> bool:
     return lin.name.rsplit(".", 1)[-1] in ROW_SPLIT_LAYERS
+
+
+def micro_batch_tokens(recipe: Recipe) -> int:
+    """Tokens one micro-batch trains on: its rows at full length (a preference pair is two sequences in one row);
+    for an objective that samples answers (grpo), each prompt's answers, each the prompt and a completion."""
+    if recipe.training.objective_spec.samples_answers:
+        grpo = recipe.training.grpo
+        return recipe.training.micro_batch_size * grpo.num_generations * (recipe.data.row_len +
+                                                                           grpo.max_completion_length)
+    return recipe.training.micro_batch_size * recipe.data.row_len
+
+
+def generation_bytes(recipe: Recipe, info: ModelInfo) -> int:
+    """What sampling a micro-batch's answers holds (grpo): the KV cache of every answer at its longest (keys and
+    values of each layer, in the compute dtype) and one position's fp32 logits of each. Held while the answers
+    are sampled, before the step's forward keeps its activations: the two peak one after the other."""
+    if not recipe.training.objective_spec.samples_answers:
+        return 0
+    grpo = recipe.training.grpo
+    answers = recipe.training.micro_batch_size * grpo.num_generations
+    cache = (2 * info.layers * info.kv_heads * info.head_dim * (recipe.data.row_len + grpo.max_completion_length)
+             * DTYPE_BYTES[compute_dtype_of(recipe)])
+    return answers * (cache + 4 * info.vocab)
 
 
 def fast_lora_inputs(recipe: Recipe) -> bool:
