@@ -254,6 +254,20 @@ def test_a_tiny_grpo_run_logs_rewards_and_trains_the_adapter(tmp_path):
     summary = json.loads((run / "run.json").read_text())["summary"]
     assert summary["objective"] == "grpo" and "reward_final" in summary and "generation_share_final" in summary
     assert result.summary["status"] == "completed"
+    # what the UI and `workbench compare` show of it: reward and answer length over the steps, the final reward
+    from workbench.base import charts
+    from workbench.rundir.runs import compare_rows, load_run
+
+    figure = charts.run_figure("tiny-grpo", rows)
+    assert len(figure.axes) == 4  # loss, throughput, and the reward panel with its length axis
+    reward_axis = figure.axes[2]
+    assert {line.get_label() for line in reward_axis.get_lines()} == {"reward", "exact_answer", "length"}
+    assert charts.is_rewarded(rows) and not charts.is_preference(rows)
+    assert charts.reward_chart([]).axes[0].texts  # an empty state before the first logged step
+    card = (run / "adapter" / "README.md").read_text()  # the model card names what it was rewarded for
+    assert "Rewards: `exact_answer` (weight 1), `length` (weight 1), 4 answers sampled per prompt." in card
+    compared = compare_rows([load_run(run)])[0]
+    assert compared["reward_final"] == steps[-1]["reward"] and compared["generation_share_final"] is not None
 
 
 def test_a_grpo_run_resumed_mid_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):

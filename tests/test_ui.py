@@ -651,6 +651,24 @@ def test_the_train_tab_shows_the_preference_plot_for_a_preference_run_only(h, ro
     assert isinstance(preference, Figure) and preference.axes[0].texts and not labels(preference)
 
 
+def test_the_train_tab_plots_a_grpo_runs_reward_and_answer_length(h, root):
+    run = root / "runs" / "rl"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"env": {}, "summary": {
+        "status": "completed", "steps": 2, "total_steps": 2, "objective": "grpo", "reward_final": 0.75}}))
+    recipe = Recipe.load(ROOT / "recipes/tiny-grpo.yaml").override("name=rl")
+    (run / "recipe.yaml").write_text(recipe.to_yaml())
+    rows = [{"step": step, "loss": 0.0, "tokens_per_s": 100.0, "reward": reward, "rewards/exact_answer/mean": reward,
+             "completions/mean_length": 9.0 + step} for step, reward in ((1, 0.25), (2, 0.75))]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    fake_job(root, "rl")
+    status, _, _, _, _, third, _ = h.job_view("rl")
+    assert "reward 0.750" in status and "grpo" in third.axes[0].get_title(loc="left")
+    assert labels(third) == ["reward", "exact_answer", "answer length"]
+    table, *_ = h.compare(["rl"])
+    assert table["reward (final)"].tolist() == [0.75]
+
+
 def test_compare_shows_the_objective_and_final_reward_margin_and_accuracy(h, root):
     fake_run(root, "a-sft")
     fake_preference_run(root, "b-dpo")

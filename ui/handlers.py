@@ -41,7 +41,8 @@ TABLE_HEADERS = {  # compare columns as shown (the CSV keeps the plain names)
     "final_loss": "final loss", "eval_loss_first": "eval loss (first)", "eval_loss_final": "eval loss (final)",
     "base_eval_loss": "base eval loss", "tuned_eval_loss": "tuned eval loss", "base_contains": "base contains",
     "tuned_contains": "tuned contains", "tuned_exact_match": "tuned exact match",
-    "objective": "objective", "reward_margin_final": "reward margin (final)",
+    "objective": "objective", "reward_margin_final": "reward margin (final)", "reward_final": "reward (final)",
+    "generation_share_final": "generation share (final)",
     "reward_accuracy_final": "reward accuracy (final, %)", "eval_reward_margin_final": "eval reward margin (final)",
     "eval_reward_accuracy_final": "eval reward accuracy (final, %)",
 }
@@ -311,18 +312,23 @@ class Handlers:
         signature = f"{name}:{status.state}:{len(status.metrics)}"
         figures = (form.SKIP, form.SKIP, form.SKIP)
         preference = OBJECTIVES[status.objective].logs_rewards or charts.is_preference(status.metrics)
+        rewarded = OBJECTIVES[status.objective].samples_answers or charts.is_rewarded(status.metrics)
         if signature != seen:
             series = {name: status.metrics}
+            third = (charts.preference_chart(status.metrics, title=f"Reward margin and accuracy ({status.objective})")
+                     if preference else charts.reward_chart(status.metrics, title=f"Reward and answer length "
+                                                                                  f"({status.objective})")
+                     if rewarded else None)
             figures = (charts.curves(series, "loss", "Loss", "loss", eval_key="eval_loss"),
-                       charts.curves(series, "tokens_per_s", "Throughput", "tokens/s"),
-                       charts.preference_chart(status.metrics, title=f"Reward margin and accuracy ({status.objective})")
-                       if preference else None)
+                       charts.curves(series, "tokens_per_s", "Throughput", "tokens/s"), third)
         rows = [r for r in status.metrics if _finite(r.get("tokens_per_s")) is not None]
         facts = [f"{name}", status.state, f"step {status.steps} / {status.total_steps or '?'}"]
         if rows:
             facts.append(f"{rows[-1]['tokens_per_s']:,.0f} tokens/s")
         if preference:
             facts += _preference_facts(status.metrics)
+        elif rewarded and _last(status.metrics, "reward") is not None:
+            facts.append(f"reward {_last(status.metrics, 'reward'):.3f}")
         if status.summary.get("wall_s") is not None:
             facts.append(f"wall {status.summary['wall_s']:.1f} s")
         if status.pid:

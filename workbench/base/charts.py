@@ -232,19 +232,55 @@ def preference_chart(frame, title: str = "Reward margin and accuracy", ax=None) 
     return fig
 
 
+def is_rewarded(rows) -> bool:
+    """Whether metrics rows hold the rewards of sampled answers (a GRPO run's `reward`), not a preference run's."""
+    return any(_number(row.get("reward")) is not None for row in _records(rows))
+
+
+def reward_chart(frame, title: str = "Reward and answer length", ax=None) -> Figure:
+    """A GRPO run's reward over the steps (left axis: the weighted sum, bold, and each reward function's mean,
+    thin) and its answers' mean length (right axis, tokens). An empty state before the first logged step."""
+    rows = _records(frame)
+    fig, ax = _figure(ax=ax)
+    total, length = _points(rows, "reward"), _points(rows, "completions/mean_length")
+    if not total:
+        return empty(f"{title}: no rewards yet", ax=ax)
+    ax.plot(*zip(*total), color=MARGIN_COLOR, linewidth=1.8, label="reward")
+    names = sorted({k for row in rows for k in row if k.startswith("rewards/") and k.endswith("/mean")})
+    for name, color in zip(names, SERIES_COLORS[1:] * 4):
+        points = _points(rows, name)
+        if points:
+            ax.plot(*zip(*points), color=color, linewidth=1.0, alpha=0.8, label=name.split("/")[1])
+    length_ax = ax.twinx()
+    length_ax.spines["top"].set_visible(False)
+    length_ax.spines["right"].set_color("#cbd5e1")
+    length_ax.tick_params(colors=MUTED, labelsize=9)
+    if length:
+        length_ax.plot(*zip(*length), color=ACCURACY_COLOR, linestyle="--", linewidth=1.2, label="answer length")
+    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
+    ax.set_ylabel("reward", color=MARGIN_COLOR, fontsize=9)
+    length_ax.set_ylabel("answer length (tokens)", color=ACCURACY_COLOR, fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = length_ax.get_legend_handles_labels()
+    length_ax.legend(handles + more_handles, labels + more_labels, frameon=False, fontsize=8, loc="lower right",
+                     ncols=2)
+    _title(ax, title)
+    return fig
+
+
 # -- the standard views: one per run, one comparing runs ---------------------------------------
 
 
 def run_figure(name: str, rows: list[dict]) -> Figure:
     """A run's loss (with eval points) and throughput over the steps, side by side; a preference run's
-    reward margin and accuracy in a third panel."""
-    preference = is_preference(rows)
-    fig = WorkbenchFigure(figsize=(18 if preference else 12, 3.6), dpi=110, layout="constrained")
-    panels = fig.subplots(1, 3 if preference else 2)
+    reward margin and accuracy, or a GRPO run's reward and answer length, in a third panel."""
+    third = preference_chart if is_preference(rows) else reward_chart if is_rewarded(rows) else None
+    fig = WorkbenchFigure(figsize=(18 if third else 12, 3.6), dpi=110, layout="constrained")
+    panels = fig.subplots(1, 3 if third else 2)
     curves({name: rows}, "loss", f"Loss: {name}", "loss", eval_key="eval_loss", ax=panels[0])
     curves({name: rows}, "tokens_per_s", "Throughput", "tokens/s", ax=panels[1])
-    if preference:
-        preference_chart(rows, ax=panels[2])
+    if third:
+        third(rows, ax=panels[2])
     return fig
 
 

@@ -231,7 +231,31 @@ def _method_section(recipe: dict, summary: dict) -> str:
 def _objective_section(recipe: dict, summary: dict) -> str:
     objective = _objective(recipe, summary)
     settings = objective.settings_text(_section(recipe, "training"))
-    return f"## Objective\n\n{_code(objective.name)}: {objective.summary}." + (f" {settings}." if settings else "")
+    text = f"## Objective\n\n{_code(objective.name)}: {objective.summary}." + (f" {settings}." if settings else "")
+    if objective.samples_answers:
+        text += _rewards_text(_section(recipe, "training").get("grpo"), summary)
+    return text
+
+
+def _count(value) -> str:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else "?"
+
+
+def _rewards_text(grpo, summary: dict) -> str:
+    """The rewards a GRPO run was trained on, with their weights, and the reward it ended at (a recipe is read
+    back from the run's folder: anything unexpected in it reads as nothing)."""
+    grpo = grpo if isinstance(grpo, dict) else {}
+    rewards, weights = grpo.get("rewards"), grpo.get("reward_weights")
+    if not isinstance(rewards, list) or not rewards:
+        return ""
+    names = [r if isinstance(r, str) else r.get("name") if isinstance(r, dict) else None for r in rewards]
+    weights = weights if isinstance(weights, list) and len(weights) == len(names) else [1.0] * len(names)
+    listed = ", ".join(f"{_code(str(name))} (weight {weight:g})" for name, weight in zip(names, weights)
+                       if isinstance(name, str) and isinstance(weight, (int, float)))
+    final = summary.get("reward_final")
+    ended = f" The last logged reward: {final:.3f}." if isinstance(final, (int, float)) else ""
+    return (f" Rewards: {listed}, {_count(grpo.get('num_generations'))} answers sampled per prompt.{ended}"
+            if listed else "")
 
 
 def _data_section(recipe: dict, summary: dict) -> str:

@@ -511,7 +511,8 @@ def list_runs(root: str | Path = "runs") -> list[Run]:
 COMPARE_COLUMNS = ["run", "status", "method", "objective", "r", "lr", "precision", "strategy", "world_size", "steps",
                    "tokens_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "mfu", "wall_s", "final_loss",
                    "eval_loss_first", "eval_loss_final", "reward_margin_final", "reward_accuracy_final",
-                   "eval_reward_margin_final", "eval_reward_accuracy_final", "base_eval_loss", "tuned_eval_loss",
+                   "eval_reward_margin_final", "eval_reward_accuracy_final", "reward_final", "generation_share_final",
+                   "base_eval_loss", "tuned_eval_loss",
                    "base_contains", "tuned_contains", "tuned_exact_match"]
 
 
@@ -531,6 +532,8 @@ def compare_rows(runs: list[Run]) -> list[dict]:
             "eval_loss_first": s.eval_loss_first, "eval_loss_final": s.eval_loss_final,
             # preference runs (training.objective dpo/orpo): the last logged and the final held-out figures
             **{key: s.preference_final.get(key) for key in ("reward_margin_final", "reward_accuracy_final")},
+            # GRPO runs: the last logged reward, and the share of a step spent sampling answers
+            **{key: s.preference_final.get(key) for key in ("reward_final", "generation_share_final")},
             **{key: s.eval_final.get(key) for key in ("eval_reward_margin_final", "eval_reward_accuracy_final")},
             **_evaluation_cells(run.evaluation),
         })
