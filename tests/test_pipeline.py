@@ -135,7 +135,8 @@ def test_a_steps_micro_batches_are_padded_to_one_shape_without_changing_their_ta
 def test_the_estimate_holds_the_largest_stage_and_the_micro_batches_in_flight(schedule, in_flight):
     from workbench.estimator.memory import estimate, pipeline_bubble, pipeline_stage_bytes
 
-    recipe = Recipe.load(RECIPE, [*PP_READY, "training.grad_accum=4", f"distributed.pipeline.schedule={schedule}"])
+    recipe = Recipe.load(RECIPE, [*PP_READY, "training.grad_accum=4", f"distributed.pipeline.schedule={schedule}",
+                                  "distributed.strategy=pp"])  # (its bubble is noted for a recipe that asks for pp)
     est = estimate(recipe, world_size=2, device="cpu")
     rows = {s["name"]: s for s in est.strategies}
     t = est.terms
@@ -151,8 +152,29 @@ def test_the_estimate_holds_the_largest_stage_and_the_micro_batches_in_flight(sc
     if schedule == "gpipe":  # every micro-batch in flight: more than 1F1B keeps
         assert stage["activations"] > pipeline_stage_bytes({**t, "pp_gpipe": 0}, 2)["activations"]
     assert pipeline_bubble(2, 4) == pytest.approx(1 / 5)
-    assert f"pp: 2 stages over 4 micro-batch(es) a step ({schedule}): each stage idles about 20%" in est.to_text(
-        width=300).replace("\n", " ")
+    assert (f"pp: each stage idles about 20% of a step while the pipeline fills and drains (2 stages over 4 "
+            f"micro-batch(es), {schedule}") in est.to_text(width=300).replace("\n", " ")
+
+
+def test_where_only_splitting_the_layers_fits_the_estimate_says_which_and_at_what_cost():
+    """Long sequences without checkpointing: every data-parallel layout (FSDP and ZeRO-3 included) holds a whole
+    micro-batch's activations on each device; tensor parallel splits the heads' and the MLP's share of them, a
+    pipeline stage holds its own layers'. Between the two, the estimate names the layouts that fit, what each
+    costs, and a data-parallel recipe is told nothing of pipelines otherwise."""
+    from workbench.estimator.memory import estimate
+
+    recipe = Recipe.load("recipes/tiny.yaml", ["training.fast_paths=false", "data.max_seq_len=1024",
+                                               "training.micro_batch_size=16", "training.gradient_checkpointing=false"])
+    rows = {s["name"]: s["per_device_bytes"] for s in estimate(recipe, world_size=2, device="H100").strategies}
+    data_parallel = min(v for k, v in rows.items() if k not in ("tp", "pp"))
+    assert max(rows["tp"], rows["pp"]) < data_parallel
+    between = (max(rows["tp"], rows["pp"]) + data_parallel) // 2
+    est = estimate(recipe, world_size=2, device="H100", device_memory=between)
+    note = next(n for n in est.notes if n.startswith("Only the layouts that split the layers fit"))
+    assert "tp at" in note and "inside one machine" in note and "pp at" in note and "idles about" in note
+    assert est.recommended == "tp"  # auto's last candidate; it never chooses a pipeline
+    roomy = estimate(recipe, world_size=2, device="H100")
+    assert not any("layouts that split the layers" in n or "idles about" in n for n in roomy.notes)
 
 
 @pytest.mark.slow

@@ -180,12 +180,7 @@ def estimate(recipe: Recipe, world_size: int = 1, nodes: int = 1, device: str | 
     throughput = _throughput(recipe, info, dev, world_size, price_per_gpu_hour)
     notes = [*precision.warnings, *filter(None, [dense_mask_warning(attention, dev.kind)]),
              *_notes(strategies, recommended, dev, world_size, terms, recipe)]
-    if world_size > 1:
-        m, schedule = recipe.training.grad_accum, recipe.distributed.pipeline.schedule
-        notes.append(f"pp: {world_size} stages over {m} micro-batch(es) a step ({schedule}): each stage idles about "
-                     f"{pipeline_bubble(world_size, m):.0%} of a step while the pipeline fills and drains (the "
-                     "bubble, (stages - 1) / (micro-batches + stages - 1)); it pays where the layers do not fit one "
-                     "device, across machines for very deep models")
+    notes += _splitting_notes(strategies, recommended, dev, world_size, terms, recipe)
     device_json["precision"] = precision.to_json()
     device_json["attention"] = attention.to_json()
     details = {k: v for k, v in terms.items() if k != "trainable_numels"}
@@ -787,6 +782,33 @@ def _notes(strategies: list[dict], recommended: str, dev: Device, world_size: in
     if dev.kind == "cpu":
         notes.append("CPU figures are process peak RSS (what runs record); the runtime term is measured in a "
                      "fresh process (cached).")
+    return notes
+
+
+def _splitting_notes(strategies: list[dict], recommended: str, dev: Device, world_size: int, terms: dict,
+                     recipe: Recipe) -> list[str]:
+    """Where the layouts that split the layers themselves come in: when only they fit (a layer, or a layer's
+    activations, larger than what FSDP and ZeRO-3 can shard away), which would fit and at what cost; a pipeline's
+    bubble wherever the recipe asks for one."""
+    notes = []
+    rows = {s["name"]: s for s in strategies}
+    data_parallel_fits = any(s["fits"] and not s.get("refused") for s in strategies if s["name"] not in ("tp", "pp"))
+    m, schedule = recipe.training.grad_accum, recipe.distributed.pipeline.schedule
+    bubble = (f"each stage idles about {pipeline_bubble(world_size, m):.0%} of a step while the pipeline fills and "
+              f"drains ({world_size} stages over {m} micro-batch(es), {schedule}: (stages - 1) / (micro-batches + "
+              "stages - 1))") if world_size > 1 else ""
+    if world_size > 1 and not data_parallel_fits:
+        fitting = []
+        if rows.get("tp", {}).get("fits"):
+            fitting.append(f"tp at {format_bytes(rows['tp']['per_device_bytes'])} a device (each decoder layer's "
+                           "weights split over the processes, a collective in every layer: inside one machine)")
+        if rows.get("pp", {}).get("fits"):
+            fitting.append(f"pp at {format_bytes(rows['pp']['per_device_bytes'])} a device (consecutive layers a "
+                           f"process; {bubble}: across machines for very deep models)")
+        if fitting:
+            notes.append("Only the layouts that split the layers fit: " + "; ".join(fitting) + ".")
+    elif recipe.distributed.strategy == "pp" and bubble:
+        notes.append(f"pp: {bubble}.")
     return notes
 
 
