@@ -167,7 +167,7 @@ def test_json_shape():
     assert isinstance(data["recommended"], str)
     json.dumps(data)
     for s in data["strategies"]:
-        assert set(s) == {"name", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits", "refused", "spread",
+        assert set(s) == {"name", "mesh", "per_device_bytes", "cpu_bytes", "fits", "breakdown", "limits", "refused", "spread",
                           "per_device_range", "limits_cautious"}
         assert set(s["limits"]) == set(s["limits_cautious"]) == {"micro_batch_size", "max_seq_len"}
         # the range is the spread measured runs of this kind of layout showed, around the estimate
