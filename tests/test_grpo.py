@@ -93,6 +93,12 @@ def call(name, completions, **columns):
     return reward(["q"] * len(completions), completions, ids, columns)
 
 
+def test_a_row_without_an_answer_leaves_its_answers_unscored():
+    """A row whose answer is missing was compared with the text "None": `\\boxed{None}` scored 1."""
+    values = call("exact_answer", ["\\boxed{None}", "7"], answer=[None, "7"])
+    assert math.isnan(values[0]) and values[1] == 1.0
+
+
 def test_exact_answer_reads_the_last_number_or_the_boxed_answer():
     completions = ["3 plus 4 is 7", "I think 8, no wait, 7.", "\\boxed{7} (not 9)", "It is 1,024", "seven",
                    "-4", "It is -4.0"]
@@ -119,7 +125,10 @@ def test_code_rewards_run_with_the_opt_in_and_are_checked(tmp_path, monkeypatch)
         "    return [None if c == 'skip' else -len(c) for c in completions]\n"
         "def too_few(completions, **_):\n    return [1.0]\n"
         "def words(completions, **_):\n    return ['good' for _ in completions]\n"
-        "def broken(completions, **_):\n    raise KeyError('answer')\n")
+        "def broken(completions, **_):\n    raise KeyError('answer')\n"
+        "def infinite(completions, **_):\n    return [0.0, float('inf')]\n"
+        "def overflowing(completions, **_):\n    return [0.0, 1e38]\n"
+        "def leaving(completions, **_):\n    raise SystemExit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     values = call("my_rewards:short", ["ab", "skip", ""])
     assert values[0] == -2 and math.isnan(values[1]) and values[2] == 0
@@ -130,6 +139,14 @@ def test_code_rewards_run_with_the_opt_in_and_are_checked(tmp_path, monkeypatch)
         call("my_rewards:words", ["a"])
     with pytest.raises(WorkbenchError, match=r"rewards\[0\] \(broken\) failed: KeyError: 'answer'"):
         call("my_rewards:broken", ["a"])
+    # an infinite or float32-overflowing reward turned every advantage of its group to 0: the run learned nothing
+    for name, shown in (("infinite", "inf"), ("overflowing", "1e\\+38")):
+        with pytest.raises(WorkbenchError, match=rf"rewards\[0\] \({name}\): returned {shown} for completion 1; a "
+                                                 "reward is a finite number"):
+            call(f"my_rewards:{name}", ["a", "b"])
+    # an exit the reward calls is its failure (the run reported it as exit status 0)
+    with pytest.raises(WorkbenchError, match=r"rewards\[0\] \(leaving\) failed: SystemExit: 0"):
+        call("my_rewards:leaving", ["a"])
     with pytest.raises(RecipeError, match=r"training.grpo.rewards\[0\] \(no_such_module:f\): cannot import "
                                           "no_such_module: ModuleNotFoundError"):
         call("no_such_module:f", ["a"])
@@ -330,3 +347,6 @@ def test_the_estimate_counts_every_answer_and_the_cache_that_samples_them():
     per_answer = 2 * config.num_hidden_layers * kv_heads * head_dim * (128 + 16) * 2 + 4 * config.vocab_size
     assert eight.terms["generation_cache"] == 2 * 8 * per_answer
     assert 0.9 <= eight.strategies[0]["cpu_bytes"] / (2792 * 2**20) <= 1.25
+    # the planner's largest micro-batch stays within the answers a micro-batch may hold (it refused the recipe)
+    tiny = estimate(Recipe.load("recipes/tiny-grpo.yaml"), world_size=2, device="H100")
+    assert all(0 < row["limits"]["micro_batch_size"] <= 4096 // 4 for row in tiny.strategies if not row["refused"])

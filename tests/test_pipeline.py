@@ -31,6 +31,16 @@ def test_fewer_layers_than_stages_is_refused_naming_the_model():
         pipeline_stages.check_stages("m", 2, 3, 4, "1f1b")
 
 
+def test_workbench_launch_refuses_a_1f1b_pipeline_short_of_micro_batches_before_any_process_starts(capsys):
+    """The process count is the launch's: it says so in one line (exit 2), not each rank after it started."""
+    from workbench.frontends.cli import main
+
+    assert main(["launch", RECIPE, "--nproc", "2", "distributed.strategy=pp", *PP_READY,
+                 "training.grad_accum=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: training.grad_accum: 1 micro-batches a step, fewer than the 2") and "\n" not in err
+
+
 def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_naming_grad_accum():
     with pytest.raises(RecipeError, match="training.grad_accum: 1 micro-batches a step, fewer than the 2 pipeline"):
         pipeline_stages.check_stages("m", 2, 2, 1, "1f1b")

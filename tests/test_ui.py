@@ -7,6 +7,7 @@ import html
 import inspect
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -489,7 +490,7 @@ def test_format_and_objective_choices_come_from_the_registry_and_the_schema():
     assert "preference" in FORMAT_NAMES
     objective = specs["training.objective"]
     assert objective.kind == "dropdown" and objective.default == "sft"
-    assert objective.choices == ["sft", "dpo", "orpo", "kto", "reward"]
+    assert objective.choices == ["sft", "dpo", "orpo", "kto", "reward", "grpo"]
     for key in ("training.dpo_beta", "training.orpo_lambda", "training.kto_beta"):
         assert specs[key].kind == "float" and specs[key].default == 0.1 and not specs[key].optional
     # no list of formats of its own anywhere in ui/: the form reads the schema, which reads the registry
@@ -772,6 +773,19 @@ def test_remote_code_needs_the_servers_flag(root):
     assert "trust_remote_code" in Handlers(root).launch(text, 1)[1]
     assert "--allow-remote-code" in Handlers(root).check(yaml.safe_load(text))[0]
     assert "trust_remote_code" not in Handlers(root, allow_remote_code=True).check(yaml.safe_load(text))[0]
+
+
+def test_code_rewards_need_the_servers_flag_too(root):
+    """A GRPO recipe naming a reward `module:function` (with its own opt-in set) was valid in the UI: Launch would
+    import any installed module on the server and call it with the user's data."""
+    recipe = Recipe.load(ROOT / "recipes/tiny-grpo.yaml").override("name=rl")
+    data = yaml.safe_load(recipe.to_yaml())
+    data["training"]["grpo"].update(rewards=["antigravity:geohash"], allow_code_rewards=True)
+    text = yaml.safe_dump(data)
+    status = Handlers(root).launch(text, 1)[1]
+    assert "code reward (antigravity:geohash)" in status and "--allow-remote-code" in status
+    assert not (root / "runs" / "rl").exists() and "antigravity" not in sys.modules
+    assert "code reward" not in Handlers(root, allow_remote_code=True).check(yaml.safe_load(text))[0]
 
 
 def test_jobs_run_the_installed_workbench_not_one_planted_in_the_workspace(h, root):

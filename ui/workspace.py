@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from workbench.base.errors import WorkbenchError
+from workbench.spec.rewards import is_code
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 RUN_ENTRIES = ("run.json", "recipe.yaml", "metrics.jsonl", "adapter", "model", "checkpoints")
@@ -117,6 +118,11 @@ class Workspace:
         if recipe.model.trust_remote_code and not allow_remote_code:
             raise PathError("model.trust_remote_code: would run code from the model's repository on this server; "
                             "refused (start the UI with --allow-remote-code to permit it)")
+        code_rewards = [entry.name for entry in recipe.training.grpo.rewards if is_code(entry.name)]
+        if (code_rewards or recipe.training.grpo.allow_code_rewards) and not allow_remote_code:
+            named = f" ({code_rewards[0]})" if code_rewards else ""
+            raise PathError(f"training.grpo.rewards: a code reward{named} would import and run Python on this server; "
+                            "refused (start the UI with --allow-remote-code to permit code a recipe names)")
         for k, source in enumerate(recipe.data.sources):
             self.resolve(source.path, what="data.train" if isinstance(recipe.data.train, str) else f"data.train[{k}].path")
         if recipe.data.eval:

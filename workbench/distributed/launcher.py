@@ -26,7 +26,7 @@ from workbench.distributed.trackers import check_tracker_packages
 from workbench.hardware.current import available_cpus, gpu_count, local_kind
 from workbench.hardware.precision import resolve as resolve_precision
 from workbench.spec.recipe import Recipe
-from workbench.spec.strategies import FSDP, ZERO2
+from workbench.spec.strategies import FSDP, ZERO2, schedule_problem
 
 
 @dataclass
@@ -74,6 +74,10 @@ def plan_launch(recipe_path: str | Path, overrides: list[str] | None = None, npr
     train = ["-m", "workbench", "train", str(recipe_path), *(overrides or []), *(train_args or [])]
     stop = {STOP_SIGNAL_ENV: signal.Signals(parse_signal(stop_signal)).name} if stop_signal else {}
     world = nproc * nnodes
+    if recipe.distributed.strategy == "pp":  # one stage a process: what the schedule needs of the step
+        problem = schedule_problem(recipe.training.grad_accum, world, recipe.distributed.pipeline.schedule)
+        if problem:
+            raise RecipeError(problem)
     if world == 1:
         return LaunchPlan([sys.executable, *train], stop, recipe.run_dir, 1, unset=stale)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),

@@ -277,7 +277,10 @@ def fit_limits(recipe: Recipe, info: ModelInfo, dev: Device, world_size: int, no
             return cap if fits(cap) else _bisect(fits, low, cap)
         return _bisect(fits, low, high)
 
-    return [{"micro_batch_size": largest(layout, "training__micro_batch_size", 1, MAX_MICRO_BATCH),
+    # (an objective that samples answers holds micro_batch_size x num_generations sequences, capped by the recipe)
+    most_prompts = MAX_MICRO_BATCH // (recipe.training.grpo.num_generations
+                                       if recipe.training.objective_spec.samples_answers else 1)
+    return [{"micro_batch_size": largest(layout, "training__micro_batch_size", 1, most_prompts),
              "max_seq_len": largest(layout, "data__max_seq_len", MIN_SEQ_LEN, context)} for layout in layouts]
 
 

@@ -266,7 +266,8 @@ def _add_interactive_commands(sub) -> None:
                     help="require a login: FILE holds USER:PASS (or set WORKBENCH_UI_AUTH=USER:PASS; never on "
                          "the command line, where `ps` shows it)")
     ui.add_argument("--allow-remote-code", action="store_true",
-                    help="let recipes set model.trust_remote_code (runs a model repository's code on this server)")
+                    help="let recipes name code that runs on this server: model.trust_remote_code (a model "
+                         "repository's code) and GRPO code rewards (training.grpo.rewards module:function)")
     ui.add_argument("--root", default=".", help="workspace: where recipes/ and runs/ are")
     ui.set_defaults(handler=_ui)
 

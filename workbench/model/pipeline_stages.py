@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from workbench.base.errors import RecipeError, escaped
 from workbench.data.tokens import IGNORE
 from workbench.model.lm_loss import causal_lm_of, linear_cross_entropy_sum, plain_head
+from workbench.spec.strategies import schedule_problem
 
 PARTS = ("embed_tokens", "layers", "rotary_emb", "norm")
 
@@ -63,11 +64,9 @@ def check_stages(model_path: str, layers: int, stages: int, micro_batches: int, 
     if layers < stages:
         raise RecipeError(f"model.path: {escaped(model_path)} has {layers} decoder layers, fewer than the {stages} "
                           "pipeline stages (one a process); launch fewer processes")
-    if schedule == "1f1b" and micro_batches < stages:
-        raise RecipeError(f"training.grad_accum: {micro_batches} micro-batches a step, fewer than the {stages} "
-                          "pipeline stages, which the 1f1b schedule needs (with fewer, most stages would wait most "
-                          "of the step); raise grad_accum to at least the process count, or set "
-                          "distributed.pipeline.schedule: gpipe")
+    problem = schedule_problem(micro_batches, stages, schedule)
+    if problem:
+        raise RecipeError(problem)
 
 
 def keep_stage(model, stage: int, stages: int, model_path: str = "the model") -> "StageModule":

@@ -42,6 +42,9 @@ def final_answer(text: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+MAX_REWARD = 1e6  # far beyond any reward's scale, far below what float32 sums of a group overflow at
+
+
 def same_answer(given: str, expected: Any) -> bool:
     """Equal as numbers where both read as numbers (2, 2.0 and 2.00 agree), else as stripped text."""
     expected = str(expected).strip().replace(",", "")
@@ -53,10 +56,10 @@ def same_answer(given: str, expected: Any) -> bool:
 
 def exact_answer(completions, answer=None, **_) -> list[float]:
     """1 where the completion's final answer (its last \\boxed{} or, without one, its last number) equals the row's
-    `answer` column, else 0."""
+    `answer` column, else 0; None (unscored) where the row gives no answer."""
     if answer is None:
         raise WorkbenchError("the rows have no 'answer' column to compare with")
-    return [float(found is not None and same_answer(found, expected))
+    return [None if expected is None else float(found is not None and same_answer(found, expected))
             for found, expected in zip(map(final_answer, completions), answer)]
 
 
@@ -168,7 +171,8 @@ class Reward:
                                    **columns, **self.settings)
         except WorkbenchError as err:
             raise WorkbenchError(f"{self.field}: {err}") from None
-        except Exception as err:  # the user's code: one line naming it, not their traceback
+        except (Exception, SystemExit) as err:  # the user's code: one line naming it, not their traceback (an exit
+            # it calls is its failure, not the run's end)
             raise WorkbenchError(f"{self.field} failed: {type(err).__name__}: {err}") from err
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             count = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
@@ -178,13 +182,20 @@ class Reward:
         for k, value in enumerate(values):
             if value is None:
                 scores.append(math.nan)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                scores.append(float(value))
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                score = float(value)
             elif hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a 0-d tensor or numpy number
-                scores.append(float(value.item()))
+                score = float(value.item())
             else:
                 raise WorkbenchError(f"{self.field}: returned {type(value).__name__} {str(value)[:40]!r} for "
                                      f"completion {k}; a reward is a number or None")
+            # an infinite (or float32-overflowing) reward makes every advantage of its group NaN, then 0: the
+            # whole step would learn nothing, silently
+            if not math.isfinite(score) or abs(score) > MAX_REWARD:
+                raise WorkbenchError(f"{self.field}: returned {score:g} for completion {k}; a reward is a finite "
+                                     f"number within +-{MAX_REWARD:g} or None")
+            scores.append(score)
         return scores
 
 

@@ -186,6 +186,16 @@ class Layout:
 MESH_ABBREVIATIONS = {"dp_replicate": "rep", "dp_shard": "shard"}
 
 
+def schedule_problem(micro_batches: int, stages: int, schedule: str) -> str | None:
+    """Why a pipeline of `stages` processes cannot run `micro_batches` a step on its schedule (None: it can).
+    Needs the process count: `workbench launch` asks before any process starts, each stage again as it builds."""
+    if schedule == "1f1b" and micro_batches < stages:
+        return (f"training.grad_accum: {micro_batches} micro-batches a step, fewer than the {stages} pipeline "
+                "stages, which the 1f1b schedule needs (with fewer, most stages would wait most of the step); raise "
+                "grad_accum to at least the process count, or set distributed.pipeline.schedule: gpipe")
+    return None
+
+
 def mesh_text(mesh: dict[str, int], short: bool = False) -> str:
     """A layout's device mesh (Layout.mesh) in a table cell: "dp_replicate=2 x dp_shard=4" ("rep2xshard4",
     short); "-" for one process."""
