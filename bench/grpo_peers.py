@@ -39,11 +39,12 @@ generation seconds. Each tool runs in a process of its own, interleaved (A B A B
 
 The goal: the workbench's step at most 0.7x TRL's on the CPU demo; the last line says whether it holds.
 
-First measurements (2 cores of an Intel Xeon with AMX, bf16, other jobs running beside it at load 3-5, so the
-step times swing 2x between steps and runs): builtin:tiny, defaults: workbench 2.11 s/step, TRL 2.00 (1.05x,
-generation ~65% of the step for both); builtin:smollm2-135m, 4 steps: workbench 56.6 s/step, TRL 36.2 (1.56x;
-TRL's per-repeat medians 70.5 and 36.2). Neither meets 0.7x; rerun on an idle machine (`--wait-quiet`) before
-reading more into the ratio.
+First measurements (2 cores of an Intel Xeon with AMX, bf16, other jobs beside it): builtin:tiny, defaults, on
+a quiet moment: workbench 0.137 s/step, TRL 0.155 (0.88x; generation 58% and 50% of the step). The same job at
+load 3-4 took ~2 s/step for both (1.05x): contention inflates every figure, so read ratios only from runs whose
+"machine CPU s meanwhile" is close to twice the process time or less. builtin:smollm2-135m, 4 steps, at load 4:
+workbench 56.6 s/step, TRL 36.2 (1.56x; TRL's per-repeat medians 70.5 and 36.2): not a reliable ratio; rerun it
+on an idle machine (`--wait-quiet`). Neither run meets 0.7x.
 """
 
 from __future__ import annotations
