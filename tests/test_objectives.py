@@ -672,7 +672,7 @@ def test_every_registered_objective_has_its_loss_and_every_loss_its_entry():
 
     from workbench.spec.objectives import OBJECTIVES
     from workbench.spec.recipe import TrainingSection
-    from workbench.training.objectives import LOSSES, build
+    from workbench.training.losses import LOSSES, build
 
     assert list(LOSSES) == list(OBJECTIVES)
     for name in OBJECTIVES:

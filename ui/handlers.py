@@ -21,6 +21,7 @@ import pandas as pd
 
 from workbench.base import charts
 from workbench.base.errors import RecipeError, WorkbenchError, printable
+from workbench.base.metric_names import REWARD_METRIC
 from workbench.rundir.runs import COMPARE_COLUMNS, RunDir, compare_rows, load_run
 from workbench.spec.objectives import OBJECTIVES
 from workbench.spec.strategies import mesh_text
@@ -327,8 +328,8 @@ class Handlers:
             facts.append(f"{rows[-1]['tokens_per_s']:,.0f} tokens/s")
         if preference:
             facts += _preference_facts(status.metrics)
-        elif rewarded and _last(status.metrics, "reward") is not None:
-            facts.append(f"reward {_last(status.metrics, 'reward'):.3f}")
+        elif rewarded and _last(status.metrics, REWARD_METRIC) is not None:
+            facts.append(f"reward {_last(status.metrics, REWARD_METRIC):.3f}")
         if status.summary.get("wall_s") is not None:
             facts.append(f"wall {status.summary['wall_s']:.1f} s")
         if status.pid:

@@ -13,6 +13,9 @@ import numbers
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
+from workbench.base.metric_names import REWARD_METRIC
+
+
 class WorkbenchFigure(Figure):
     """A Figure that shows itself in Jupyter without pyplot (which these charts never touch)."""
 
@@ -234,7 +237,7 @@ def preference_chart(frame, title: str = "Reward margin and accuracy", ax=None) 
 
 def is_rewarded(rows) -> bool:
     """Whether metrics rows hold the rewards of sampled answers (a GRPO run's `reward`), not a preference run's."""
-    return any(_number(row.get("reward")) is not None for row in _records(rows))
+    return any(_number(row.get(REWARD_METRIC)) is not None for row in _records(rows))
 
 
 def reward_chart(frame, title: str = "Reward and answer length", ax=None) -> Figure:
@@ -242,7 +245,7 @@ def reward_chart(frame, title: str = "Reward and answer length", ax=None) -> Fig
     thin) and its answers' mean length (right axis, tokens). An empty state before the first logged step."""
     rows = _records(frame)
     fig, ax = _figure(ax=ax)
-    total, length = _points(rows, "reward"), _points(rows, "completions/mean_length")
+    total, length = _points(rows, REWARD_METRIC), _points(rows, "completions/mean_length")
     if not total:
         return empty(f"{title}: no rewards yet", ax=ax)
     ax.plot(*zip(*total), color=MARGIN_COLOR, linewidth=1.8, label="reward")

@@ -3,7 +3,8 @@ the loop, the estimator, evaluation, the model card and the UI ask (`OBJECTIVES[
 
 Each entry says which rows it learns from, the settings that tune it, whether it scores against a reference
 (the base model with the adapter switched off) and what that costs, and what kind of model it leaves behind.
-The losses are workbench/training/objectives.py's, one class per entry (`LOSSES`, checked against this table).
+The losses are workbench/training/objectives.py's and grpo.py's, one class per entry (`LOSSES` in losses.py,
+checked against this table).
 A new objective is an entry here, its loss class there, and their tests; a new kind of row also needs its
 format in workbench/spec/formats.py.
 """

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.base.metric_names import REWARD_METRIC
 from workbench.model.lm_loss import causal_lm_of
 from workbench.spec.rewards import resolve
 from workbench.training import policy_gradient
@@ -192,7 +193,7 @@ class GRPO(Objective):
         s = dict(zip(self.sum_names, (float(x) for x in sums)))
         if s["steps"] == 0:
             return {"loss": None}
-        row = {"loss": s["loss_sum"] / s["steps"], "reward": _mean(s["reward_sum"], s["rewards_counted"]),
+        row = {"loss": s["loss_sum"] / s["steps"], REWARD_METRIC: _mean(s["reward_sum"], s["rewards_counted"]),
                "reward_std": _std(s["reward_sum"], s["reward_squares"], s["rewards_counted"])}
         for reward in self.rewards:
             total, squares, counted = (s[f"{reward.name}/{part}"] for part in ("sum", "squares", "counted"))

@@ -19,6 +19,8 @@ import torch
 
 STD_EPSILON = 1e-4  # added to a std before dividing by it (TRL's constant)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+# (TRL's loss-type names; "grpo" the loss type, named apart from the objective it shares its name with)
+GRPO_LOSS = LOSS_TYPES[0]
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -223,7 +225,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, loss_
         importance_sampling_level=importance_sampling_level)
     mask = completion_mask.to(losses.dtype)
     masked = losses * mask
-    if loss_type == "grpo":
+    if loss_type == GRPO_LOSS:
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / parts
     elif loss_type == "bnpo":
         loss = masked.sum() / mask.sum().clamp(min=1.0) / parts

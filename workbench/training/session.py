@@ -50,7 +50,7 @@ from workbench.rundir.runs import RunDir, TrainResult, environment, process_owne
 from workbench.spec import adapter_init, batch_split
 from workbench.spec.compat import check_runtime
 from workbench.spec.recipe import Recipe
-from workbench.training import checkpoints, fit_check, objectives
+from workbench.training import checkpoints, fit_check, losses, objectives
 from workbench.training.parts import (MAX_SKIPPED_FRACTION, MAX_SKIPPED_STEPS, Progress, _checksums, _flat,
                                       _nonfinite_message, _on_device, _only_trainable_weights, _progress,
                                       _reports_after, _rounded, _sample_generations, _window_totals, _windows,
@@ -320,7 +320,7 @@ class TrainingSession:
 
         # the loss: next-token (sft), a preference, or rewards of sampled answers (grpo); the reference of dpo, kto
         # and grpo's KL term is this model, adapter off
-        self.objective = objectives.build(recipe, self.loss_sum_of,
+        self.objective = losses.build(recipe, self.loss_sum_of,
                                           objectives.adapter_off_of(unwrap(accelerator, self.model)),
                                           self.tokenizer.pad_token_id, self.tokenizer)
 
