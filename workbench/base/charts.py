@@ -209,10 +209,7 @@ def preference_chart(frame, title: str = "Reward margin and accuracy", ax=None) 
                                                   "eval_reward_accuracy")}
     if not any(series.values()):
         return empty(f"{title}: no preference metrics yet", ax=ax)
-    accuracy_ax = ax.twinx()
-    accuracy_ax.spines["top"].set_visible(False)
-    accuracy_ax.spines["right"].set_color("#cbd5e1")
-    accuracy_ax.tick_params(colors=MUTED, labelsize=9)
+    accuracy_ax = _second_axis(ax)
     train = dict(linewidth=1.8)
     held_out = dict(linestyle="--", marker="o", markersize=4, linewidth=1.2)
     for target, key, color, label in ((ax, "reward_margin", MARGIN_COLOR, "margin"),
@@ -224,15 +221,28 @@ def preference_chart(frame, title: str = "Reward margin and accuracy", ax=None) 
     ax.axhline(0, color="#cbd5e1", linewidth=0.8, zorder=0)  # above it, the chosen answer is preferred
     accuracy_ax.set_ylim(-0.03, 1.03)
     accuracy_ax.yaxis.set_major_formatter(PercentFormatter(xmax=1, decimals=0))
-    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
-    ax.set_ylabel("reward margin (chosen − rejected)", color=MARGIN_COLOR, fontsize=9)
-    accuracy_ax.set_ylabel("reward accuracy", color=ACCURACY_COLOR, fontsize=9)
-    handles, labels = ax.get_legend_handles_labels()
-    more_handles, more_labels = accuracy_ax.get_legend_handles_labels()
-    accuracy_ax.legend(handles + more_handles, labels + more_labels, frameon=False, fontsize=8, loc="lower right",
-                       ncols=2)
+    _label_both(ax, accuracy_ax, "reward margin (chosen − rejected)", "reward accuracy")
     _title(ax, title)
     return fig
+
+
+def _second_axis(ax):
+    """A right-hand axis over `ax`, in the charts' muted style."""
+    other = ax.twinx()
+    other.spines["top"].set_visible(False)
+    other.spines["right"].set_color("#cbd5e1")
+    other.tick_params(colors=MUTED, labelsize=9)
+    return other
+
+
+def _label_both(ax, other, left: str, right: str) -> None:
+    """The step axis, each y axis in its series' color, and one legend for the lines of both."""
+    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
+    ax.set_ylabel(left, color=MARGIN_COLOR, fontsize=9)
+    other.set_ylabel(right, color=ACCURACY_COLOR, fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = other.get_legend_handles_labels()
+    other.legend(handles + more_handles, labels + more_labels, frameon=False, fontsize=8, loc="lower right", ncols=2)
 
 
 def is_rewarded(rows) -> bool:
@@ -254,19 +264,10 @@ def reward_chart(frame, title: str = "Reward and answer length", ax=None) -> Fig
         points = _points(rows, name)
         if points:
             ax.plot(*zip(*points), color=color, linewidth=1.0, alpha=0.8, label=name.split("/")[1])
-    length_ax = ax.twinx()
-    length_ax.spines["top"].set_visible(False)
-    length_ax.spines["right"].set_color("#cbd5e1")
-    length_ax.tick_params(colors=MUTED, labelsize=9)
+    length_ax = _second_axis(ax)
     if length:
         length_ax.plot(*zip(*length), color=ACCURACY_COLOR, linestyle="--", linewidth=1.2, label="answer length")
-    ax.set_xlabel("optimizer step", color=MUTED, fontsize=9)
-    ax.set_ylabel("reward", color=MARGIN_COLOR, fontsize=9)
-    length_ax.set_ylabel("answer length (tokens)", color=ACCURACY_COLOR, fontsize=9)
-    handles, labels = ax.get_legend_handles_labels()
-    more_handles, more_labels = length_ax.get_legend_handles_labels()
-    length_ax.legend(handles + more_handles, labels + more_labels, frameon=False, fontsize=8, loc="lower right",
-                     ncols=2)
+    _label_both(ax, length_ax, "reward", "answer length (tokens)")
     _title(ax, title)
     return fig
 
